@@ -1,0 +1,96 @@
+"""torch_xla_patches: one dynamo trace, one XLA program per shape signature.
+
+  import torch_xla_patches
+  torch_xla_patches.apply()
+
+replaces `extract_compiled_graph` of torch_xla's dynamo bridge with the one in
+`torch_xla_patches.dynamo_bridge`. `revert()` restores everything apply()
+changed.
+"""
+import threading
+from typing import Any, Optional
+
+from torch_xla_patches import _patching
+from torch_xla_patches import config
+
+SUPPORTED_TORCH_XLA_VERSIONS = ('2.9.0',)
+SUPPORTED_TORCH_VERSIONS = ('2.9.0',)
+
+_registry = _patching.PatchRegistry()
+_lock = threading.Lock()
+_decompositions_installed = False
+
+
+def _base_version(version: str) -> str:
+  return version.split('+')[0]
+
+
+def _check_versions(torch_version: str, torch_xla_version: str) -> None:
+  if _base_version(torch_xla_version) not in SUPPORTED_TORCH_XLA_VERSIONS:
+    raise RuntimeError(
+        f'torch_xla_patches supports torch_xla {SUPPORTED_TORCH_XLA_VERSIONS}, '
+        f'found torch_xla {torch_xla_version}.')
+  if _base_version(torch_version) not in SUPPORTED_TORCH_VERSIONS:
+    raise RuntimeError(
+        f'torch_xla_patches supports torch {SUPPORTED_TORCH_VERSIONS}, '
+        f'found torch {torch_version}.')
+
+
+def is_applied() -> bool:
+  return len(_registry) > 0
+
+
+def original(owner: Any, name: str) -> Any:
+  """What `owner.name` was before apply() (the current value if unpatched)."""
+  return _registry.original(owner, name)
+
+
+def apply(*, automatic_dynamic_shapes: Optional[bool] = None) -> None:
+  """Installs the patched bridge. Safe to call more than once.
+
+  Args:
+    automatic_dynamic_shapes: turn dynamo's automatic dynamic shapes back on
+      (see config.automatic_dynamic_shapes); None keeps the config value.
+  """
+  global _decompositions_installed
+  import torch
+  import torch._dynamo
+  import torch_xla
+  import torch_xla._dynamo.dynamo_bridge as upstream_bridge
+  import torch_xla.core.dynamo_bridge as core_bridge
+
+  with _lock:
+    if is_applied():
+      return
+    _check_versions(torch.__version__, torch_xla.__version__)
+    from torch_xla_patches import dynamo_bridge
+    for module in (upstream_bridge, core_bridge):
+      target = _patching.PatchTarget(module, 'extract_compiled_graph')
+      current = getattr(module, 'extract_compiled_graph', None)
+      if current is None:
+        raise RuntimeError(
+            f'torch_xla_patches cannot patch {target.describe()}: expected a '
+            'function, found nothing.')
+      _patching.check_signature(target, current, ('xla_model', 'xla_args'))
+    for module in (upstream_bridge, core_bridge):
+      _registry.set(module, 'extract_compiled_graph',
+                    dynamo_bridge.extract_compiled_graph)
+    if automatic_dynamic_shapes is None:
+      automatic_dynamic_shapes = config.automatic_dynamic_shapes
+    if automatic_dynamic_shapes:
+      _registry.set(torch._dynamo.config, 'automatic_dynamic_shapes', True)
+    if config.install_decompositions:
+      from torch_xla_patches import decompositions
+      decompositions.install()
+      _decompositions_installed = True
+
+
+def revert() -> None:
+  """Undoes apply(). Safe to call more than once."""
+  global _decompositions_installed
+  with _lock:
+    _registry.revert_all()
+    if _decompositions_installed:
+      from torch_xla_patches import decompositions
+      decompositions.uninstall()
+      _decompositions_installed = False

@@ -1,0 +1,41 @@
+"""Flags of the patch set. Each reads an environment variable once at import;
+tests and users may also assign the attributes directly."""
+import os
+
+
+def _env_int(name: str, default: int) -> int:
+  value = os.environ.get(name)
+  if value is None or value == '':
+    return default
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f'{name} must be an integer, got {value!r}') from None
+
+
+def _env_bool(name: str, default: bool) -> bool:
+  value = os.environ.get(name)
+  if value is None or value == '':
+    return default
+  return value.strip().lower() in ('1', 'true', 'yes', 'on')
+
+
+# Most shape signatures kept per graph. Past it, the least recently used
+# signature is dropped (its XLA program may stay in XLA's own cache) and a
+# warning is printed once per graph. 0 means no cap.
+max_signatures_per_graph = _env_int('XLA_PATCHES_MAX_SIGNATURES', 1024)
+
+# Print, for every signature miss after the first trace of a graph, which part
+# of the signature differed from the closest known signature.
+explain_misses = _env_bool('XLA_PATCHES_EXPLAIN_MISSES', False)
+
+# torch_xla turns off dynamo's automatic dynamic shapes at import
+# (pytorch/xla#5285). With the patched bridge a dynamic graph is cheap per
+# shape, so apply() turns it back on: the default mode of torch.compile then
+# traces at most twice (static, then dynamic). revert() restores torch_xla's
+# setting.
+automatic_dynamic_shapes = _env_bool('XLA_PATCHES_AUTOMATIC_DYNAMIC', True)
+
+# Install SymInt-safe tracing rules for XLA kernels that break dynamic tracing
+# (see decompositions.py).
+install_decompositions = _env_bool('XLA_PATCHES_DECOMPOSITIONS', True)
