@@ -1,0 +1,77 @@
+"""Helpers shared by the bridge tests."""
+import contextlib
+import os
+import subprocess
+import sys
+from typing import Dict
+
+import torch
+import torch._dynamo
+import torch_xla
+import torch_xla.debug.metrics as met
+
+import torch_xla_patches
+from torch_xla_patches import dynamo_bridge
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BRIDGE_COUNTERS = (
+    'DynamoExtractCompiledGraph',
+    dynamo_bridge.COUNTER_HIT,
+    dynamo_bridge.COUNTER_MISS,
+    dynamo_bridge.COUNTER_RETRACE,
+    dynamo_bridge.COUNTER_DROPPED,
+    dynamo_bridge.COUNTER_FALLBACK_PARTITION,
+    'UncachedCompile',
+)
+
+
+def counters() -> Dict[str, int]:
+  """The bridge's counters, 0 when never bumped."""
+  return {name: met.counter_value(name) or 0 for name in BRIDGE_COUNTERS}
+
+
+def fresh():
+  """Forget compiled frames and zero all metrics."""
+  torch._dynamo.reset()
+  met.clear_all()
+
+
+@contextlib.contextmanager
+def patched():
+  torch_xla_patches.apply()
+  try:
+    fresh()
+    yield
+  finally:
+    torch_xla_patches.revert()
+
+
+class FrameCounter:
+  """A backend wrapper that counts how often dynamo compiles a frame."""
+
+  def __init__(self, backend='openxla'):
+    self.frames = 0
+    self._backend = torch._dynamo.lookup_backend(backend)
+
+  def __call__(self, gm, example_inputs):
+    self.frames += 1
+    return self._backend(gm, example_inputs)
+
+
+def xla(t: torch.Tensor) -> torch.Tensor:
+  return t.detach().clone().to(torch_xla.device())
+
+
+def run_python(code: str, env: Dict[str, str] = None, timeout: int = 600):
+  """Runs `code` in a fresh interpreter; returns the CompletedProcess."""
+  full_env = dict(os.environ)
+  full_env.setdefault('PJRT_DEVICE', 'CPU')
+  full_env['PYTHONPATH'] = os.pathsep.join(
+      [REPO_ROOT, full_env.get('PYTHONPATH', '')])
+  full_env.update(env or {})
+  return subprocess.run([sys.executable, '-c', code],
+                        env=full_env,
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout)

@@ -1,0 +1,28 @@
+"""Shared test set-up: the CPU PJRT device and hypothesis profiles."""
+import os
+import sys
+
+os.environ.setdefault('PJRT_DEVICE', 'CPU')
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from hypothesis import HealthCheck, settings
+
+# ci: derandomized, so CI is reproducible; dev: quick; debug: thorough.
+settings.register_profile(
+    'ci',
+    derandomize=True,
+    max_examples=12,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    'dev',
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    'debug',
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'dev'))

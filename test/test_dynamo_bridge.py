@@ -1,0 +1,259 @@
+"""Behaviour of the patched bridge: results equal eager on CPU, counters,
+in-place updates, special outputs, CPU fallback, modes and bad input."""
+import sys
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch_xla
+import torch_xla.debug.metrics as met
+
+import torch_xla_patches
+from torch_xla_patches import config, dynamo_bridge
+from bridge_testing import FrameCounter, counters, fresh, xla
+
+DEVICE = torch_xla.device()
+
+
+@pytest.fixture(autouse=True)
+def patched_bridge():
+  torch_xla_patches.apply()
+  fresh()
+  yield
+  torch_xla_patches.revert()
+
+
+def compile_dynamic(fn, **kwargs):
+  return torch.compile(fn, backend='openxla', dynamic=True, **kwargs)
+
+
+def test_one_trace_one_compile_per_signature():
+
+  def fn(x, y):
+    return torch.relu(x @ y).sum(dim=0) * x.shape[0]
+
+  compiled = compile_dynamic(fn)
+  sizes = [3, 5, 3, 7, 5, 3]
+  for n in sizes:
+    x, y = torch.randn(n, 6), torch.randn(6, 4)
+    torch.testing.assert_close(compiled(xla(x), xla(y)).cpu(), fn(x, y))
+  assert counters() == {
+      'DynamoExtractCompiledGraph': 1,
+      # The first signature is compiled before the first call, which hits.
+      'DynamoSignatureHit': len(sizes) - 3 + 1,
+      'DynamoSignatureMiss': 3,
+      'DynamoEvictedRetrace': 0,
+      'DynamoSignatureDropped': 0,
+      'DynamoCpuFallbackPartition': 0,
+      'UncachedCompile': 3,
+  }
+  assert met.metric_data('CompileTime')[0] == 3
+
+
+def test_repeated_signature_compiles_and_traces_nothing():
+
+  def fn(x):
+    return x.cos() + x.shape[0]
+
+  compiled = compile_dynamic(fn)
+  compiled(xla(torch.randn(4, 2)))
+  compiled(xla(torch.randn(6, 2)))
+  met.clear_all()
+  for _ in range(3):
+    x = torch.randn(6, 2)
+    torch.testing.assert_close(compiled(xla(x)).cpu(), fn(x))
+  assert 'CompileTime' not in met.metric_names()
+  assert 'DynamoExtractCompiledGraph' not in met.counter_names()
+  assert counters()['DynamoSignatureHit'] == 3
+
+
+def test_symint_and_tensor_outputs():
+
+  def fn(x):
+    return x * 2, x.shape[0] * x.shape[1], x.sum()
+
+  compiled = compile_dynamic(fn)
+  for shape in [(2, 3), (4, 5), (2, 3)]:
+    x = torch.randn(*shape)
+    out = compiled(xla(x))
+    ref = fn(x)
+    torch.testing.assert_close(out[0].cpu(), ref[0])
+    assert out[1] == ref[1]
+    torch.testing.assert_close(out[2].cpu(), ref[2])
+
+
+def test_inplace_update_of_input_is_applied_every_call():
+
+  def fn(x, acc):
+    acc.add_(x.sum(dim=0))
+    return acc * 2
+
+  compiled = compile_dynamic(fn)
+  acc_cpu = torch.zeros(3)
+  acc_xla = xla(acc_cpu)
+  for n in [2, 5, 2, 5, 9]:
+    x = torch.randn(n, 3)
+    torch.testing.assert_close(compiled(xla(x), acc_xla).cpu(), fn(x, acc_cpu))
+    torch.testing.assert_close(acc_xla.cpu(), acc_cpu)
+
+
+def test_output_that_is_an_unchanged_input_and_duplicate_outputs():
+
+  def fn(x, y):
+    z = x + y
+    return y, z, z
+
+  compiled = compile_dynamic(fn)
+  for n in [2, 3]:
+    x, y = torch.randn(n), torch.randn(n)
+    y_xla = xla(y)
+    out = compiled(xla(x), y_xla)
+    torch.testing.assert_close(out[0].cpu(), y)
+    torch.testing.assert_close(out[1].cpu(), x + y)
+    torch.testing.assert_close(out[2].cpu(), x + y)
+
+
+def test_input_with_pending_ir_is_synced_and_counted():
+
+  def fn(x):
+    return x * 3
+
+  compiled = compile_dynamic(fn)
+  compiled(xla(torch.randn(4)))
+  base = torch.randn(5)
+  pending = xla(base) + 1  # lazy: not materialized
+  torch.testing.assert_close(compiled(pending).cpu(), (base + 1) * 3)
+  pending = xla(base) - 1
+  torch.testing.assert_close(compiled(pending).cpu(), (base - 1) * 3)
+  assert met.counter_value('DynamoSyncInputExecuteTime') >= 1
+
+
+@pytest.mark.parametrize('op', ['logcumsumexp', 'median'])
+def test_cpu_fallback_op_is_never_a_stale_constant(op):
+
+  def fn(x):
+    if op == 'logcumsumexp':
+      y = torch.logcumsumexp(x, dim=0)
+    else:
+      y = x.median(dim=1).values
+    return y * 2 + x.shape[0]
+
+  compiled = compile_dynamic(fn)
+  for n in [3, 4, 3, 4, 3]:
+    x = torch.randn(n, 5)
+    torch.testing.assert_close(compiled(xla(x)).cpu(), fn(x))
+  assert counters()['DynamoCpuFallbackPartition'] == 1
+
+
+def test_default_mode_goes_dynamic_on_second_shape():
+  frames = FrameCounter()
+
+  def fn(x):
+    return (x * x).sum(dim=-1)
+
+  compiled = torch.compile(fn, backend=frames)
+  for n in [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]:
+    x = torch.randn(n, 4)
+    torch.testing.assert_close(compiled(xla(x)).cpu(), fn(x))
+  assert frames.frames == 2
+  assert counters()['DynamoExtractCompiledGraph'] == 2
+
+
+def test_default_mode_without_automatic_dynamic_keeps_upstream_behaviour():
+  torch_xla_patches.revert()
+  torch_xla_patches.apply(automatic_dynamic_shapes=False)
+  frames = FrameCounter()
+  compiled = torch.compile(lambda x: x + 1, backend=frames)
+  for n in [2, 3, 4]:
+    compiled(xla(torch.randn(n)))
+  assert frames.frames == 3
+
+
+def test_mark_dynamic_with_dynamic_false():
+  frames = FrameCounter()
+
+  def fn(x):
+    return x.softmax(dim=0)
+
+  compiled = torch.compile(fn, backend=frames, dynamic=False)
+  for n in [3, 6, 9]:
+    x = torch.randn(n, 2)
+    x_xla = xla(x)
+    torch._dynamo.mark_dynamic(x_xla, 0)
+    torch.testing.assert_close(compiled(x_xla).cpu(), fn(x))
+  assert frames.frames == 1
+  assert counters()['DynamoSignatureMiss'] == 3
+
+
+def test_random_ops_differ_between_calls():
+  compiled = compile_dynamic(lambda x: x + torch.rand_like(x))
+  x = xla(torch.zeros(64))
+  first, second = compiled(x).cpu(), compiled(x).cpu()
+  assert not torch.equal(first, second)
+  assert 0 <= first.min() and first.max() < 1
+
+
+def test_cpu_tensor_input_error_names_the_argument():
+
+  def fn(x, y):
+    return x + y
+
+  with pytest.raises(Exception) as info:
+    compile_dynamic(fn)(xla(torch.randn(3)), torch.randn(3))
+  assert 'graph input 1 (tensor of shape (3,), torch.float32, on cpu) is not '
+  'on the XLA device' in str(info.value)
+
+
+def test_unsupported_argument_type_error_names_the_argument():
+  from torch_xla_patches.signature import ArgLayout, UnsupportedGraphInput
+  with pytest.raises(UnsupportedGraphInput) as info:
+    ArgLayout.from_graph(None, [xla(torch.randn(2)), 'cats'])
+  assert str(info.value) == (
+      "graph input 1 (str 'cats') has a type the XLA dynamo bridge cannot "
+      'handle; graph inputs must be XLA tensors, ints, floats or bools.')
+
+
+def test_signature_cap_drops_least_recently_used(monkeypatch):
+  monkeypatch.setattr(config, 'max_signatures_per_graph', 2)
+
+  def fn(x):
+    return x + 1
+
+  compiled = compile_dynamic(fn)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    for n in [2, 3, 4, 5]:
+      x = torch.randn(n)
+      torch.testing.assert_close(compiled(xla(x)).cpu(), x + 1)
+  cap_warnings = [w for w in caught if 'shape signatures' in str(w.message)]
+  assert len(cap_warnings) == 1
+  assert counters()['DynamoSignatureDropped'] == 2
+  (cache,) = [c for c in dynamo_bridge.live_signature_caches()
+              if c.entries][-1:]
+  assert [dict(s.shape_values) for s in cache.signatures()
+         ] == [{0: 4}, {0: 5}]
+  # A dropped signature is traced again, not an error.
+  compiled(xla(torch.randn(2)))
+  assert counters()['DynamoSignatureMiss'] == 5
+
+
+def test_explain_misses_names_the_part_that_differed(monkeypatch, capsys):
+  monkeypatch.setattr(config, 'explain_misses', True)
+  compiled = compile_dynamic(lambda x: x * 2)
+  compiled(xla(torch.randn(3, 2)))
+  compiled(xla(torch.randn(5, 2)))
+  lines = [
+      line for line in capsys.readouterr().out.splitlines()
+      if 'torch_xla_patches' in line
+  ]
+  assert len(lines) == 2
+  assert lines[0].endswith('new shape signature (first of this graph)')
+  assert 'closest known differs in: shape_values[input 0]: 3 -> 5' in lines[1]
+  # Inputs are (s0, s1, x): both sizes are symbolic under dynamic=True.
+  assert 'tensor_shapes[input 2]: (3, 2) -> (5, 2)' in lines[1]
+  assert 'input 1' not in lines[1]
+
+
+if __name__ == '__main__':
+  sys.exit(pytest.main([__file__, '-q']))

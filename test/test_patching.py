@@ -1,0 +1,103 @@
+"""apply() / revert() / is_applied() and the version and signature checks."""
+import sys
+
+import pytest
+import torch
+import torch._dynamo
+import torch_xla
+import torch_xla._dynamo.dynamo_bridge as upstream_bridge
+import torch_xla.core.dynamo_bridge as core_bridge
+
+import torch_xla_patches
+from torch_xla_patches import _patching, dynamo_bridge
+
+UPSTREAM_EXTRACT = upstream_bridge.extract_compiled_graph
+
+
+@pytest.fixture(autouse=True)
+def always_revert():
+  torch_xla_patches.revert()
+  yield
+  torch_xla_patches.revert()
+
+
+def test_apply_replaces_both_bridge_modules():
+  assert not torch_xla_patches.is_applied()
+  torch_xla_patches.apply()
+  assert torch_xla_patches.is_applied()
+  assert upstream_bridge.extract_compiled_graph is dynamo_bridge.extract_compiled_graph
+  assert core_bridge.extract_compiled_graph is dynamo_bridge.extract_compiled_graph
+
+
+def test_apply_twice_then_revert_restores_the_true_original():
+  torch_xla_patches.apply()
+  torch_xla_patches.apply()
+  assert torch_xla_patches.original(upstream_bridge,
+                                    'extract_compiled_graph') is UPSTREAM_EXTRACT
+  torch_xla_patches.revert()
+  torch_xla_patches.revert()
+  assert not torch_xla_patches.is_applied()
+  assert upstream_bridge.extract_compiled_graph is UPSTREAM_EXTRACT
+  assert core_bridge.extract_compiled_graph is UPSTREAM_EXTRACT
+
+
+def test_automatic_dynamic_shapes_turned_on_and_restored():
+  # torch_xla turns it off at import (pytorch/xla#5285).
+  assert torch._dynamo.config.automatic_dynamic_shapes is False
+  torch_xla_patches.apply()
+  assert torch._dynamo.config.automatic_dynamic_shapes is True
+  torch_xla_patches.revert()
+  assert torch._dynamo.config.automatic_dynamic_shapes is False
+
+
+def test_automatic_dynamic_shapes_can_be_left_alone():
+  torch_xla_patches.apply(automatic_dynamic_shapes=False)
+  assert torch._dynamo.config.automatic_dynamic_shapes is False
+  assert torch_xla_patches.is_applied()
+
+
+def test_unsupported_torch_xla_version_names_expected_and_found(monkeypatch):
+  monkeypatch.setattr(torch_xla, '__version__', '2.8.1')
+  with pytest.raises(RuntimeError) as info:
+    torch_xla_patches.apply()
+  assert str(info.value) == ("torch_xla_patches supports torch_xla ('2.9.0',), "
+                             'found torch_xla 2.8.1.')
+  assert not torch_xla_patches.is_applied()
+
+
+def test_unsupported_torch_version(monkeypatch):
+  monkeypatch.setattr(torch, '__version__', '2.10.0+cpu')
+  with pytest.raises(RuntimeError, match=r"found torch 2\.10\.0\+cpu"):
+    torch_xla_patches.apply()
+
+
+def test_changed_bridge_signature_is_refused(monkeypatch):
+
+  def extract_compiled_graph(xla_model, xla_args, options):
+    pass
+
+  monkeypatch.setattr(core_bridge, 'extract_compiled_graph',
+                      extract_compiled_graph)
+  with pytest.raises(RuntimeError) as info:
+    torch_xla_patches.apply()
+  assert "expected parameters ('xla_model', 'xla_args'), found " in str(
+      info.value)
+  assert "('xla_model', 'xla_args', 'options')" in str(info.value)
+  assert not torch_xla_patches.is_applied()
+
+
+def test_registry_restores_missing_attribute_by_deleting_it():
+
+  class Holder:
+    pass
+
+  registry = _patching.PatchRegistry()
+  registry.set(Holder, 'added', 1)
+  registry.set(Holder, 'added', 2)
+  assert Holder.added == 2
+  assert registry.revert_all() == ['Holder.added']
+  assert not hasattr(Holder, 'added')
+
+
+if __name__ == '__main__':
+  sys.exit(pytest.main([__file__, '-q']))

@@ -1,0 +1,616 @@
+"""The XLA dynamo bridge with one compiled program per shape signature.
+
+This module mirrors torch_xla/_dynamo/dynamo_bridge.py (torch_xla 2.9.0):
+`extract_compiled_graph` -> `extract_compiled_graph_helper` -> `extract_internal`
+-> `extract_graph_helper`, with `GraphInputMatcher` building the XLA inputs of
+a call. What differs from upstream, and why, is written down in the Notes.
+"""
+import collections
+import dataclasses
+import itertools
+import operator
+import os
+import warnings
+import weakref
+from numbers import Number
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupport
+from torch.fx.passes.utils.fuser_utils import topo_sort
+
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as metrics
+import torch_xla.runtime as xr
+from torch_xla._dynamo.dynamo_bridge import XLAConstructorMoverPass
+from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
+
+from torch_xla_patches import config
+from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
+                                         UnsupportedGraphInput, describe_arg,
+                                         _tuple_getter)
+
+dynamo_debug = int(os.environ.get('XLA_DYNAMO_DEBUG', '0')) == 1
+ptxla_debug = int(os.environ.get('PT_XLA_DEBUG', '0')) == 1
+
+# Counters, readable with torch_xla.debug.metrics.counter_value(name). Upstream's
+# DynamoExtractCompiledGraph (one per graph handed to the bridge),
+# DynamoSyncInputExecuteTime (inputs with pending IR synced before a run), and
+# the runtime's CompileTime / UncachedCompile keep their meaning.
+# A graph's first signature is compiled when dynamo hands the graph over, so
+# its first call is a hit: misses count compiles, hits count calls served.
+COUNTER_HIT = 'DynamoSignatureHit'  # a call found its signature's program
+COUNTER_MISS = 'DynamoSignatureMiss'  # a new signature was traced + compiled
+COUNTER_RETRACE = 'DynamoEvictedRetrace'  # XLA evicted a program; re-traced
+COUNTER_DROPPED = 'DynamoSignatureDropped'  # over the cap, LRU entry dropped
+COUNTER_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'  # graph partitioned
+
+_EVICTED_MESSAGE = 'Failed to get computation by hash'
+_PENDING_IR_MESSAGE = 'can not be a pending ir'
+
+_increment_counter = torch_xla._XLAC._xla_increment_counter
+
+
+class GraphInputMatcher:
+  """Builds the input list of a compiled XLA graph for one call.
+
+  The XLA graph's parameters are device-data nodes found at trace time. Each
+  is either a graph argument (taken from the current call), the RNG seed
+  (drawn fresh per call, as torch_xla.sync() does), or a true constant of the
+  graph (kept). Trace-time argument tensors are never kept, see
+  [Note: What an entry keeps alive].
+
+  Args:
+    arg_positions: for each XLA graph input, the position of the graph
+      argument it comes from, or None.
+    constants: for each XLA graph input with no argument position, its traced
+      value, or SEED for the RNG seed slot; None elsewhere.
+    seed_device: the device string used for the seed, if there is a seed slot.
+  """
+  SEED = object()
+
+  def __init__(self,
+               arg_positions: Sequence[Optional[int]],
+               constants: Sequence[Any],
+               seed_device: Optional[str] = None):
+    assert len(arg_positions) == len(constants)
+    self.arg_positions = tuple(arg_positions)
+    self._arg_getter = _tuple_getter(
+        tuple(p for p in self.arg_positions if p is not None))
+    # (slot, value) pairs in ascending slot order; inserting in that order
+    # puts each value at its final slot.
+    self._fixed_slots = tuple(
+        (slot, value)
+        for slot, (position, value) in enumerate(zip(arg_positions, constants))
+        if position is None)
+    self._seed_device = seed_device
+
+  @property
+  def num_constants(self) -> int:
+    return sum(1 for _, value in self._fixed_slots if value is not self.SEED)
+
+  def _next_seed(self) -> torch.Tensor:
+    seed = torch_xla._XLAC._get_base_seed_as_tensor(self._seed_device)
+    # Advance the runtime seed the way torch_xla.sync() does, so random ops
+    # differ between calls. Reading it as a tensor avoids a device transfer.
+    xm.set_rng_state((1012031 + torch_xla._XLAC._xla_get_rng_seed() * 7012063) %
+                     18446744073709551615, self._seed_device)
+    return seed
+
+  def __call__(self, args: Sequence[Any]) -> List[torch.Tensor]:
+    inputs = list(self._arg_getter(args))
+    for slot, value in self._fixed_slots:
+      inputs.insert(slot, self._next_seed() if value is self.SEED else value)
+    return inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputPlan:
+  """How the results of one XLA run become the graph's outputs.
+
+  `_run_cached_graph` returns one result per distinct output tensor that is
+  computed by the graph; outputs that are device data (an unchanged input, a
+  constant), duplicates, Python numbers (SymInt outputs of a dynamic graph) and
+  Nones are restored here.
+  """
+  # Number of results `_run_cached_graph` returns (0: the graph is not run).
+  num_results: int
+  # (argument position, result index): arguments the graph updates in place.
+  inplace_updates: Tuple[Tuple[int, int], ...]
+  # Argument positions whose tensors are returned as outputs unchanged.
+  returned_args: Tuple[int, ...]
+  # Constant outputs: numbers, None, and true graph constants.
+  constants: Tuple[Any, ...]
+  # For each output, an index into results + returned args + constants.
+  sources: Tuple[int, ...]
+
+  def __post_init__(self):
+    identity = self.sources == tuple(range(self.num_results))
+    object.__setattr__(self, '_identity', identity)
+    object.__setattr__(self, '_returned_arg_getter',
+                       _tuple_getter(self.returned_args))
+    object.__setattr__(self, '_source_getter', _tuple_getter(self.sources))
+
+  def assemble(self, results: List[torch.Tensor],
+               args: Sequence[Any]) -> Any:
+    for arg_position, result_index in self.inplace_updates:
+      args[arg_position].copy_(results[result_index])
+    if self._identity:
+      outputs = results
+    else:
+      pool = list(results)
+      pool.extend(self._returned_arg_getter(args))
+      pool.extend(self.constants)
+      outputs = list(self._source_getter(pool))
+    # Same convention as upstream's bridge: a single output is unwrapped.
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledGraphEntry:
+  """Everything needed to run one shape signature of a graph.
+
+  [Note: What an entry keeps alive]
+  Upstream's 8-tuple per signature kept the trace-time argument tensors (as
+  `args_and_out`, `xla_args_need_update` and inside SpecialReturnHandler), so
+  every signature pinned a copy of its inputs' device memory. An entry keeps
+  only the graph hash, index maps, and the device data of true graph
+  constants (tensors the graph reads that are not arguments).
+  """
+  # Key of the compiled program in XLA's computation cache.
+  graph_hash: bytes
+  graph_input_matcher: GraphInputMatcher
+  output_plan: OutputPlan
+  # Named form of this entry's signature, for explanations and persistence.
+  signature: ShapeSignature
+
+
+class _PendingRestore:
+  """Restores arguments that a trace updated in place.
+
+  Tracing runs the FX graph on the real arguments, so in-place updates in the
+  graph give them pending IR. Like upstream, we keep lazy clones (no device
+  copy happens unless used) and copy them back before `_clear_pending_irs`
+  drops all pending IR; the copies themselves are dropped with it.
+  """
+
+  def __init__(self, tensors: Sequence[torch.Tensor]):
+    self._tensors = list(tensors)
+    self._clones = [torch.clone(t) for t in self._tensors]
+
+  def restore(self) -> None:
+    flags = torch_xla._XLAC._check_tensor_need_materialization(self._tensors)
+    for tensor, clone, updated in zip(self._tensors, self._clones, flags):
+      if updated:
+        tensor.copy_(clone)
+    self._clones = []
+    torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
+
+
+def _data_id(tensor: torch.Tensor) -> int:
+  return torch_xla._XLAC._unique_id_for_ir_and_data(tensor)
+
+
+def _flatten_outputs(out: Any) -> List[Any]:
+  if isinstance(out, (tuple, list)):
+    return list(out)
+  return [out]
+
+
+def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                         layout: ArgLayout) -> CompiledGraphEntry:
+  """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
+  # Don't reset the scope as we might be under some profiler trace scope.
+  torch_xla.sync(reset_scope=False)
+  tensor_positions = layout.tensor_positions
+  tensor_args = [args[i] for i in tensor_positions]
+  tensor_id_to_position = {
+      torch_xla._XLAC._xla_get_tensor_id(args[i]): i for i in tensor_positions
+  }
+  if dynamo_debug:
+    print(f'Graph Module:\n{xla_model.code}')
+  restore = _PendingRestore(tensor_args)
+
+  outputs = _flatten_outputs(xla_model(*args))
+
+  # [Note: Graph outputs]
+  # The XLA graph computes the in-place-updated arguments first, then the
+  # tensor outputs. `_run_cached_graph` returns one result per distinct
+  # (by IR/data identity) tensor among them that has pending IR; device-data
+  # tensors (an unchanged argument, a constant) are not results.
+  updated_flags = torch_xla._XLAC._check_tensor_need_materialization(
+      tensor_args)
+  updated_positions = [
+      pos for pos, flag in zip(tensor_positions, updated_flags) if flag
+  ]
+  graph_tensors = [args[pos] for pos in updated_positions]
+  graph_tensors.extend(o for o in outputs if isinstance(o, torch.Tensor))
+  computed_flags = torch_xla._XLAC._check_tensor_need_materialization(
+      graph_tensors)
+  result_index_of_data: Dict[int, int] = {}
+  for tensor, computed in zip(graph_tensors, computed_flags):
+    if computed:
+      result_index_of_data.setdefault(_data_id(tensor), len(result_index_of_data))
+  num_results = len(result_index_of_data)
+  position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
+  position_of_arg_object = {id(args[i]): i for i in tensor_positions}
+
+  inplace_updates = tuple(
+      (pos, result_index_of_data[_data_id(args[pos])])
+      for pos in updated_positions)
+  returned_args: List[int] = []
+  constants: List[Any] = []
+  sources: List[int] = []
+  deferred: List[Tuple[int, str, Any]] = []  # (output index, kind, value)
+  for out in outputs:
+    if isinstance(out, torch.Tensor):
+      data_id = _data_id(out)
+      if data_id in result_index_of_data:
+        sources.append(result_index_of_data[data_id])
+        continue
+      position = position_of_arg_object.get(id(out),
+                                            position_of_arg_data.get(data_id))
+      if position is not None:
+        deferred.append((len(sources), 'arg', position))
+      else:
+        deferred.append((len(sources), 'const', out))
+    elif out is None or isinstance(out, Number):
+      deferred.append((len(sources), 'const', out))
+    else:
+      raise UnsupportedGraphInput(
+          f'graph output {len(sources)} has type {type(out).__name__}; the '
+          'XLA dynamo bridge returns tensors, numbers and None only.')
+    sources.append(-1)
+  for output_index, kind, value in deferred:
+    if kind == 'arg':
+      sources[output_index] = num_results + len(returned_args)
+      returned_args.append(value)
+  for output_index, kind, value in deferred:
+    if kind == 'const':
+      sources[output_index] = num_results + len(returned_args) + len(constants)
+      constants.append(value)
+  output_plan = OutputPlan(
+      num_results=num_results,
+      inplace_updates=inplace_updates,
+      returned_args=tuple(returned_args),
+      constants=tuple(constants),
+      sources=tuple(sources))
+
+  graph_hash = b''
+  matcher = GraphInputMatcher((), ())
+  if num_results:
+    # Wait for the sync above before reading device-data nodes.
+    xm.wait_device_ops()
+    input_ids, input_values = torch_xla._XLAC._get_tensors_xla_device_data_node(
+        graph_tensors)
+    seed_id = torch_xla._XLAC._get_seed_info_id()
+    arg_positions: List[Optional[int]] = []
+    input_constants: List[Any] = []
+    seed_device = None
+    for tensor_id, value in zip(input_ids, input_values):
+      position = tensor_id_to_position.get(tensor_id)
+      if position is None and tensor_id != seed_id:
+        # A tensor sharing its data with an argument (an alias made before
+        # the call) is still that argument, not a constant.
+        position = position_of_arg_data.get(_data_id(value))
+      arg_positions.append(position)
+      if position is not None:
+        input_constants.append(None)
+      elif tensor_id == seed_id:
+        input_constants.append(GraphInputMatcher.SEED)
+        seed_device = str(value.device)
+      else:
+        input_constants.append(value)
+    matcher = GraphInputMatcher(arg_positions, input_constants, seed_device)
+    if dynamo_debug:
+      print(f'Number of HLO inputs: {len(input_ids)}, outputs: {num_results}')
+      print(torch_xla._XLAC._get_xla_tensors_text(graph_tensors))
+    with alias_with_buffer_donor_config():
+      graph_hash = torch_xla._XLAC._get_graph_hash(graph_tensors)
+      torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
+
+  restore.restore()
+  return CompiledGraphEntry(
+      graph_hash=graph_hash,
+      graph_input_matcher=matcher,
+      output_plan=output_plan,
+      signature=layout.signature_of(args))
+
+
+_graph_ids = itertools.count()
+_live_caches: 'weakref.WeakSet[SignatureCache]' = weakref.WeakSet()
+
+
+def live_signature_caches() -> List['SignatureCache']:
+  """Signature caches of the graphs alive in this process."""
+  return sorted(_live_caches, key=lambda cache: cache.graph_id)
+
+
+class SignatureCache:
+  """The entries of one graph, keyed by signature, least recently used first.
+
+  [Note: Dynamo real-time input-shape cache look-up]
+  Upstream keys a dict on the tuple of all number arguments and stores an
+  8-tuple per key. Here the key comes from `ArgLayout.key_function()` (see
+  [Note: Shape signatures]); entries are `CompiledGraphEntry`s in an ordered
+  dict so a cap can drop the least recently used one.
+  """
+
+  def __init__(self, xla_model: torch.fx.GraphModule, layout: ArgLayout):
+    self.graph_id = next(_graph_ids)
+    self.xla_model = xla_model
+    self.layout = layout
+    self.key_of = layout.key_function()
+    self.entries: 'collections.OrderedDict[Hashable, CompiledGraphEntry]' = (
+        collections.OrderedDict())
+    self._warned_cap = False
+    _live_caches.add(self)
+
+  def trace(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
+    entry = extract_graph_helper(self.xla_model, args, self.layout)
+    self.entries[key] = entry
+    self.entries.move_to_end(key)
+    cap = config.max_signatures_per_graph
+    while cap > 0 and len(self.entries) > cap:
+      self.entries.popitem(last=False)
+      _increment_counter(COUNTER_DROPPED, 1)
+      if not self._warned_cap:
+        self._warned_cap = True
+        warnings.warn(
+            f'torch_xla_patches: graph {self.graph_id} has more than {cap} '
+            'shape signatures; dropping the least recently used ones. Raise '
+            'XLA_PATCHES_MAX_SIGNATURES (0: no cap) or pad shapes into buckets.')
+    return entry
+
+  def on_miss(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
+    _increment_counter(COUNTER_MISS, 1)
+    if config.explain_misses:
+      print(self.explain_miss(args), flush=True)
+    return self.trace(key, args)
+
+  def explain_miss(self, args: Sequence[Any]) -> str:
+    signature = self.layout.signature_of(args)
+    header = f'[torch_xla_patches] graph {self.graph_id}: new shape signature'
+    if not self.entries:
+      return f'{header} (first of this graph)'
+    closest = min((signature.differences(entry.signature)
+                   for entry in self.entries.values()),
+                  key=len)
+    return f'{header}; closest known differs in: ' + '; '.join(closest)
+
+  def signatures(self) -> List[ShapeSignature]:
+    return [entry.signature for entry in self.entries.values()]
+
+
+def _sync_pending_inputs(args: Sequence[Any], layout: ArgLayout) -> None:
+  tensors = [args[i] for i in layout.tensor_positions]
+  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  pending = [t for t, flag in zip(tensors, flags) if flag]
+  if pending:
+    _increment_counter('DynamoSyncInputExecuteTime', 1)
+    torch_xla._XLAC._xla_sync_multi(
+        pending, devices=[], wait=True, sync_xla_data=True)
+
+
+def extract_internal(xla_model: torch.fx.GraphModule):
+  """Compiles the first signature now; returns the per-call function."""
+  first_args = xla_model.xla_args
+  layout = ArgLayout.from_graph(xla_model, first_args, spmd=xr.is_spmd())
+  cache = SignatureCache(xla_model, layout)
+  if dynamo_debug:
+    print(f'[torch_xla_patches] graph {cache.graph_id} layout: {layout.kinds}')
+  cache.on_miss(cache.key_of(first_args), first_args)
+  del xla_model.xla_args
+
+  key_of = cache.key_of
+  entries = cache.entries
+  run_cached_graph = torch_xla._XLAC._run_cached_graph
+
+  def run_after_error(error: RuntimeError, key: Hashable,
+                      entry: CompiledGraphEntry, args: Sequence[Any]):
+    # [Note: Optimistic input check]
+    # Upstream checks every tensor argument for pending IR before each call.
+    # `_run_cached_graph` already refuses pending-IR inputs (and evicted
+    # programs) before running anything, so we run first and fix up only when
+    # it refuses: sync the inputs, or re-trace an evicted signature.
+    for _ in range(3):
+      message = str(error)
+      if _PENDING_IR_MESSAGE in message:
+        _sync_pending_inputs(args, layout)
+      elif _EVICTED_MESSAGE in message:
+        _increment_counter(COUNTER_RETRACE, 1)
+        entry = cache.trace(key, args)
+      else:
+        raise error
+      try:
+        return entry, run_cached_graph(entry.graph_hash,
+                                       entry.graph_input_matcher(args))
+      except RuntimeError as next_error:
+        error = next_error
+    raise error
+
+  def optimized_mod(*args):
+    key = key_of(args)
+    entry = entries.get(key)
+    if entry is None:
+      entry = cache.on_miss(key, args)
+    else:
+      _increment_counter(COUNTER_HIT, 1)
+      entries.move_to_end(key)
+    plan = entry.output_plan
+    if plan.num_results:
+      try:
+        results = run_cached_graph(entry.graph_hash,
+                                   entry.graph_input_matcher(args))
+      except RuntimeError as error:
+        entry, results = run_after_error(error, key, entry, args)
+        plan = entry.output_plan
+    else:
+      results = []
+    return plan.assemble(results, args)
+
+  optimized_mod.signature_cache = cache
+  return optimized_mod
+
+
+class _FallbackCounterWatch:
+  """Tells whether an op fell back to the CPU since the last look."""
+
+  def __init__(self):
+    self._seen = self._snapshot()
+
+  @staticmethod
+  def _snapshot() -> Dict[str, int]:
+    return {
+        name: metrics.counter_value(name)
+        for name in metrics.executed_fallback_ops()
+    }
+
+  def fell_back(self) -> bool:
+    now = self._snapshot()
+    changed = now != self._seen
+    self._seen = now
+    return changed
+
+
+def _all_on_xla(value: Any) -> bool:
+  if isinstance(value, torch.Tensor):
+    return value.device.type == 'xla'
+  if isinstance(value, (list, tuple)):
+    return all(_all_on_xla(v) for v in value)
+  return True
+
+
+class UnsupportedNodesCollector(torch.fx.Interpreter):
+  """Runs the graph node by node, noting nodes XLA cannot compile: CPU
+  fallback ops and nodes with non-XLA tensor inputs or outputs.
+
+  Unlike upstream's collector it does not clear the metrics between nodes,
+  so user-visible counters survive the first call.
+  """
+
+  def __init__(self, module: torch.fx.GraphModule):
+    super().__init__(module)
+    self._unsupported_nodes: List[torch.fx.Node] = []
+    self._watch = _FallbackCounterWatch()
+
+  def run_node(self, n: torch.fx.Node):
+    result = super().run_node(n)
+    if n.op in ('placeholder', 'output'):
+      return result
+    args, kwargs = self.fetch_args_kwargs_from_env(n)
+    if (self._watch.fell_back() or not _all_on_xla(result) or
+        not _all_on_xla(list(itertools.chain(args, kwargs.values())))):
+      self._unsupported_nodes.append(n)
+    return result
+
+  def get_unsupported_nodes(self) -> List[torch.fx.Node]:
+    return self._unsupported_nodes
+
+
+class InputCollector(torch.fx.Interpreter):
+  """Records, on each fused submodule, the arguments it is first called with."""
+
+  def call_module(self, target, args, kwargs):
+    if 'fused_' in target:
+      self.fetch_attr(target).xla_args = args
+    return super().call_module(target, args, kwargs)
+
+
+def partition_fx_graph_for_cpu_fallback(
+    xla_model: torch.fx.GraphModule, xla_args: Sequence[Any],
+    unsupported_nodes: List[torch.fx.Node]) -> torch.fx.GraphModule:
+  """Splits the graph around unsupported nodes; each XLA part gets its own
+  signature cache, the unsupported nodes run eagerly on every call.
+
+  [Note: CPU fallback with dynamic shapes]
+  Upstream skips this partitioning when the graph has int inputs, so a
+  fallback op's trace-time output became a graph constant and later calls of
+  the same signature returned stale values. Partitioning is correct with int
+  inputs too: they are passed to each fused part like any other input and
+  enter its signature.
+  """
+  _increment_counter(COUNTER_FALLBACK_PARTITION, 1)
+  if ptxla_debug or dynamo_debug:
+    print(f'Dynamo fallback ops are {unsupported_nodes}. Please open a GitHub '
+          'issue with the above op lowering requests.')
+  unsupported = set(unsupported_nodes)
+
+  class XlaOperatorSupport(OperatorSupport):
+
+    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+      return node.op in ('call_function', 'call_module', 'call_method') and (
+          node not in unsupported or node.target == operator.getitem)
+
+  partitioner = CapabilityBasedPartitioner(
+      xla_model, XlaOperatorSupport(), allows_single_node_partition=True)
+  partitions = partitioner.propose_partitions()
+  # propose_partitions() does not guarantee topological order.
+  for partition in partitions:
+    partition.nodes = topo_sort(partition.nodes)
+  partitioned_graph = partitioner.fuse_partitions(partitions)
+  tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
+  restore = _PendingRestore(tensor_args)
+  InputCollector(partitioned_graph).run(*xla_args)
+  restore.restore()
+
+  for node in list(partitioned_graph.graph.nodes):
+    if node.op == 'call_module' and 'fused_' in node.name:
+      fused_module = getattr(partitioned_graph, node.name)
+      partitioned_graph.delete_submodule(node.target)
+      with partitioned_graph.graph.inserting_after(node):
+        new_node = partitioned_graph.graph.call_function(
+            extract_internal(fused_module), node.args, None)
+        node.replace_all_uses_with(new_node)
+      partitioned_graph.graph.erase_node(node)
+  partitioned_graph.recompile()
+  return partitioned_graph
+
+
+def _find_unsupported_nodes(xla_model: torch.fx.GraphModule,
+                            xla_args: Sequence[Any]) -> List[torch.fx.Node]:
+  tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
+  restore = _PendingRestore(tensor_args)
+  collector = UnsupportedNodesCollector(xla_model)
+  collector.run(*xla_args)
+  restore.restore()
+  return collector.get_unsupported_nodes()
+
+
+def _check_args(xla_model: torch.fx.GraphModule,
+                xla_args: Sequence[Any]) -> None:
+  # Fail with the argument named, before any tracing.
+  ArgLayout.from_graph(xla_model, xla_args)
+  for name, param in itertools.chain(xla_model.named_parameters(),
+                                     xla_model.named_buffers()):
+    if param.device.type != 'xla':
+      raise UnsupportedGraphInput(
+          f'graph attribute {name} (shape {tuple(param.shape)}) is on '
+          f'{param.device}, not on the XLA device.')
+
+
+def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
+  # Sync functional wrappers so each argument's value reference is current.
+  for arg in xla_args:
+    if isinstance(arg, torch.Tensor) and torch._is_functional_tensor(arg):
+      torch._functionalize_sync(arg)
+  _check_args(xla_model, xla_args)
+  # Materialize every live tensor so argument ids show up as graph inputs.
+  torch_xla.sync(reset_scope=False)
+  # Make CPU tensor constructors in the graph create XLA tensors.
+  XLAConstructorMoverPass()(xla_model.graph)
+
+  unsupported_nodes = _find_unsupported_nodes(xla_model, xla_args)
+  if unsupported_nodes:
+    return partition_fx_graph_for_cpu_fallback(xla_model, xla_args,
+                                               unsupported_nodes)
+  xla_model.xla_args = xla_args
+  return extract_internal(xla_model)
+
+
+def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
+  torch_xla._XLAC._xla_increment_counter('DynamoExtractCompiledGraph', 1)
+  with torch_xla.experimental.eager_mode_context(False):
+    return extract_compiled_graph_helper(xla_model, xla_args)
