@@ -25,9 +25,10 @@ native_layer_norm: torch_xla's AutogradXLA kernel runs ATen's
   sizes/strides", so LayerNorm (and everything containing it: transformer
   layers) cannot be traced with dynamic=True. Fix: the aten decomposition,
   which only uses SymInt-aware ops; autograd differentiates the decomposed ops.
-native_group_norm: the AutogradXLA kernel takes N, C and HxW as concrete ints,
-  so dynamo specializes every symbolic size that feeds them: GroupNorm
-  recompiles for every new input shape. Fix: the aten decomposition.
+native_group_norm: the AutogradXLA kernel turns its SymInt size arguments
+  (N, C, HxW) into concrete ints, which makes dynamo specialize the input
+  sizes: GroupNorm recompiled for every batch size. Fix: the aten
+  decomposition.
 max_pool2d / max_pool3d: for an input that requires grad, the AutogradXLA
   kernel calls torch_xla's custom op `xla::max_pool{2,3}d_forward`, which has
   no fake-tensor implementation, so dynamo graph-breaks and the pooling runs
