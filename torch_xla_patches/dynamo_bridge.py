@@ -24,12 +24,14 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as metrics
 import torch_xla.runtime as xr
+from torch_xla._dynamo import config as upstream_config
 from torch_xla._dynamo.dynamo_bridge import XLAConstructorMoverPass
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from torch_xla_patches import config
-from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
-                                         UnsupportedGraphInput, describe_arg,
+from torch_xla_patches.signature import (ArgLayout, ShapeSignature,
+                                         UnsupportedGraphInput,
+                                         check_scalar_input, describe_arg,
                                          _tuple_getter)
 
 dynamo_debug = int(os.environ.get('XLA_DYNAMO_DEBUG', '0')) == 1
@@ -418,6 +420,9 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     for _ in range(3):
       message = str(error)
       if _PENDING_IR_MESSAGE in message:
+        if upstream_config.skip_input_data_check:
+          # The user asked for upstream's no-check mode: report, don't sync.
+          raise error
         _sync_pending_inputs(args, layout)
       elif _EVICTED_MESSAGE in message:
         _increment_counter(COUNTER_RETRACE, 1)
@@ -579,16 +584,22 @@ def _find_unsupported_nodes(xla_model: torch.fx.GraphModule,
   return collector.get_unsupported_nodes()
 
 
-def _check_args(xla_model: torch.fx.GraphModule,
-                xla_args: Sequence[Any]) -> None:
-  # Fail with the argument named, before any tracing.
-  ArgLayout.from_graph(xla_model, xla_args)
-  for name, param in itertools.chain(xla_model.named_parameters(),
-                                     xla_model.named_buffers()):
-    if param.device.type != 'xla':
-      raise UnsupportedGraphInput(
-          f'graph attribute {name} (shape {tuple(param.shape)}) is on '
-          f'{param.device}, not on the XLA device.')
+def _check_args(xla_args: Sequence[Any]) -> None:
+  """Fails, or warns, with the argument named, before any tracing.
+
+  A tensor on another device is allowed, as upstream allows it: the nodes that
+  touch it are left out of the XLA graph and run eagerly (see
+  `UnsupportedNodesCollector`), so the result stays correct, only slower.
+  """
+  for index, arg in enumerate(xla_args):
+    if isinstance(arg, torch.Tensor):
+      if arg.device.type != 'xla':
+        warnings.warn(
+            f'{describe_arg(index, arg)} is not on the XLA device; the ops '
+            'that use it run eagerly. Move all inputs to torch_xla.device() '
+            'to run them in the compiled XLA graph.')
+    else:
+      check_scalar_input(index, arg)
 
 
 def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
@@ -596,7 +607,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   for arg in xla_args:
     if isinstance(arg, torch.Tensor) and torch._is_functional_tensor(arg):
       torch._functionalize_sync(arg)
-  _check_args(xla_model, xla_args)
+  _check_args(xla_args)
   # Materialize every live tensor so argument ids show up as graph inputs.
   torch_xla.sync(reset_scope=False)
   # Make CPU tensor constructors in the graph create XLA tensors.

@@ -83,18 +83,26 @@ def _classify(index: int, arg: Any, fake: Any) -> ArgKind:
       # the shape goes into the signature.
       return ArgKind.DYNAMIC_TENSOR
     return ArgKind.TENSOR
-  if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-    raise UnsupportedGraphInput(
-        f'{describe_arg(index, arg)} is symbolic at run time; the bridge needs '
-        'concrete values.')
+  check_scalar_input(index, arg)
   if isinstance(arg, Number):
     if isinstance(arg, int) and not isinstance(arg, bool) and (
         fake is None or isinstance(fake, torch.SymInt)):
       return ArgKind.SHAPE
     return ArgKind.SCALAR
-  raise UnsupportedGraphInput(
-      f'{describe_arg(index, arg)} has a type the XLA dynamo bridge cannot '
-      'handle; graph inputs must be XLA tensors, ints, floats or bools.')
+  raise AssertionError('unreachable: check_scalar_input accepted it')
+
+
+def check_scalar_input(index: int, arg: Any) -> None:
+  """Raises UnsupportedGraphInput, naming the input, for a non-tensor input
+  that is not a concrete Python number."""
+  if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+    raise UnsupportedGraphInput(
+        f'{describe_arg(index, arg)} is symbolic at run time; the bridge needs '
+        'concrete values.')
+  if not isinstance(arg, Number):
+    raise UnsupportedGraphInput(
+        f'{describe_arg(index, arg)} has a type the XLA dynamo bridge cannot '
+        'handle; graph inputs must be XLA tensors, ints, floats or bools.')
 
 
 @dataclasses.dataclass(frozen=True)
