@@ -8,8 +8,10 @@ symbolic inputs and calls torch_xla's own kernel for everything else.
 
 [Note: Scoping the decompositions to symbolic inputs]
 The kernels are Python-dispatcher kernels (`OpOverload.py_kernels`), not
-`torch.library` registrations. The C++ dispatch table is never modified, so an
-eager XLA call cannot reach them: the Python dispatcher is only enabled while
+`torch.library` registrations: one of those would replace torch_xla's kernel
+in the C++ dispatch table, for eager calls too, and leave no supported way to
+call the kernel it replaced. The C++ table is never modified, so an eager XLA
+call cannot reach these kernels: the Python dispatcher is only enabled while
 tracing (dynamo's fake-tensor pass, AOTAutograd, make_fx). Static-shape
 compiles trace with it enabled too, so each kernel also checks its inputs: if
 no size, stride or size argument is symbolic it calls torch_xla's C++
@@ -29,11 +31,15 @@ native_group_norm: the AutogradXLA kernel turns its SymInt size arguments
   (N, C, HxW) into concrete ints, which makes dynamo specialize the input
   sizes: GroupNorm recompiled for every batch size. Fix: the aten
   decomposition.
-max_pool2d / max_pool3d: for an input that requires grad, the AutogradXLA
-  kernel calls torch_xla's custom op `xla::max_pool{2,3}d_forward`, which has
-  no fake-tensor implementation, so dynamo graph-breaks and the pooling runs
-  eagerly, outside the compiled graph. Fix: `max_pool{2,3}d_with_indices`,
-  which has a SymInt-aware meta kernel and an aten backward formula.
+max_pool2d: for an input that requires grad, the AutogradXLA kernel calls
+  torch_xla's custom op `xla::max_pool2d_forward`, which has no fake-tensor
+  kernel, so dynamo graph-breaks and the pooling runs eagerly, outside the
+  compiled graph. Fix: `max_pool2d_with_indices`, which has a SymInt-aware
+  meta kernel and an aten backward formula.
+max_pool3d: the AutogradXLA kernel is handed the fake tensor itself and
+  rejects it ("Expected XLA tensor. Got: XLAFloatType"), with or without
+  grad, static or dynamic. Fix (symbolic inputs only, like every override
+  here, so static compiles still fail as upstream): `max_pool3d_with_indices`.
 """
 import collections
 import dataclasses
