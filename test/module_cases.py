@@ -117,7 +117,7 @@ def _x(key):
   return key
 
 
-# Shape keys. Three or four distinct values per dynamic dimension so the
+# Shape keys. Three distinct values per dynamic dimension, so the
 # second and third call exercise the dynamic graph, not the first trace.
 # [Note: Survey shape keys] The first call's sizes are all distinct and none
 # is 0 or 1: dynamo specializes sizes 0 and 1, and gives equal sizes of the
@@ -245,8 +245,8 @@ BN_RUNNING_VAR = KnownFailure(
     repro='docs/repro_batch_norm_running_var.py')
 BN_EVAL_BACKWARD = KnownFailure(
     match=r'size of mean should be compatible with feature count',
-    why=('backward of BatchNorm in eval mode fails in torch_xla\'s '
-         'native_batch_norm_backward (eager XLA too)'),
+    why=('torch_xla\'s native_batch_norm_backward reads the empty '
+         'save_mean in eval mode (eager XLA too; pytorch/xla#3361)'),
     repro='docs/repro_batch_norm_eval_backward.py')
 
 # Pooling's output size is computed with a rounding division whose meta
