@@ -29,7 +29,7 @@ from torch_xla._dynamo.dynamo_bridge import XLAConstructorMoverPass
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from torch_xla_patches import config
-from torch_xla_patches.signature import (ArgLayout, ShapeSignature,
+from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
                                          check_scalar_input, describe_arg,
                                          _tuple_getter)
@@ -386,11 +386,11 @@ class SignatureCache:
     return [entry.signature for entry in self.entries.values()]
 
 
-def _sync_pending_inputs(args: Sequence[Any], layout: ArgLayout) -> None:
-  tensors = [args[i] for i in layout.tensor_positions]
+def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
+  """Materializes the tensors that have pending IR, blocking."""
   flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-  pending = [t for t, flag in zip(tensors, flags) if flag]
-  if pending:
+  if any(flags):
+    pending = [t for t, flag in zip(tensors, flags) if flag]
     _increment_counter('DynamoSyncInputExecuteTime', 1)
     torch_xla._XLAC._xla_sync_multi(
         pending, devices=[], wait=True, sync_xla_data=True)
@@ -409,21 +409,32 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   key_of = cache.key_of
   entries = cache.entries
   run_cached_graph = torch_xla._XLAC._run_cached_graph
+  all_tensors = _tuple_getter(layout.tensor_positions)
+  # [Note: Input materialization check]
+  # `_run_cached_graph` needs device data, not pending IR, as input. Upstream
+  # checks every tensor argument before each call. Non-parameter tensors
+  # (activations, user inputs, tangents) are often pending, so they are
+  # checked up front, in one C++ call. Lifted parameters are rarely pending
+  # (only after an eager update with no sync), and there are many of them, so
+  # they are not checked: `_run_cached_graph` refuses pending IR before it
+  # runs anything, and the refusal is handled in run_after_error.
+  checked_tensors = _tuple_getter(
+      layout.positions(ArgKind.TENSOR, ArgKind.DYNAMIC_TENSOR))
+  check_need_materialization = (
+      torch_xla._XLAC._check_tensor_need_materialization)
 
   def run_after_error(error: RuntimeError, key: Hashable,
                       entry: CompiledGraphEntry, args: Sequence[Any]):
-    # [Note: Optimistic input check]
-    # Upstream checks every tensor argument for pending IR before each call.
-    # `_run_cached_graph` already refuses pending-IR inputs (and evicted
-    # programs) before running anything, so we run first and fix up only when
-    # it refuses: sync the inputs, or re-trace an evicted signature.
+    # `_run_cached_graph` refuses pending-IR inputs (see [Note: Input
+    # materialization check]) and evicted programs before running anything;
+    # sync the inputs, or re-trace the evicted signature, and run again.
     for _ in range(3):
       message = str(error)
       if _PENDING_IR_MESSAGE in message:
         if upstream_config.skip_input_data_check:
           # The user asked for upstream's no-check mode: report, don't sync.
           raise error
-        _sync_pending_inputs(args, layout)
+        _sync_pending_inputs(all_tensors(args))
       elif _EVICTED_MESSAGE in message:
         _increment_counter(COUNTER_RETRACE, 1)
         entry = cache.trace(key, args)
@@ -446,6 +457,10 @@ def extract_internal(xla_model: torch.fx.GraphModule):
       entries.move_to_end(key)
     plan = entry.output_plan
     if plan.num_results:
+      if not upstream_config.skip_input_data_check:
+        tensors = checked_tensors(args)
+        if True in check_need_materialization(tensors):
+          _sync_pending_inputs(tensors)
       try:
         results = run_cached_graph(entry.graph_hash,
                                    entry.graph_input_matcher(args))
@@ -537,7 +552,6 @@ def partition_fx_graph_for_cpu_fallback(
   inputs too: they are passed to each fused part like any other input and
   enter its signature.
   """
-  _increment_counter(COUNTER_FALLBACK_PARTITION, 1)
   if ptxla_debug or dynamo_debug:
     print(f'Dynamo fallback ops are {unsupported_nodes}. Please open a GitHub '
           'issue with the above op lowering requests.')
@@ -561,8 +575,10 @@ def partition_fx_graph_for_cpu_fallback(
   InputCollector(partitioned_graph).run(*xla_args)
   restore.restore()
 
+  fused_parts = 0
   for node in list(partitioned_graph.graph.nodes):
     if node.op == 'call_module' and 'fused_' in node.name:
+      fused_parts += 1
       fused_module = getattr(partitioned_graph, node.name)
       partitioned_graph.delete_submodule(node.target)
       with partitioned_graph.graph.inserting_after(node):
@@ -571,6 +587,10 @@ def partition_fx_graph_for_cpu_fallback(
         node.replace_all_uses_with(new_node)
       partitioned_graph.graph.erase_node(node)
   partitioned_graph.recompile()
+  if fused_parts:
+    # Counted only when some part runs on XLA: a graph on CPU tensors alone
+    # is not an XLA graph at all.
+    _increment_counter(COUNTER_FALLBACK_PARTITION, 1)
   return partitioned_graph
 
 
@@ -594,7 +614,9 @@ def _check_args(xla_args: Sequence[Any]) -> None:
   for index, arg in enumerate(xla_args):
     if isinstance(arg, torch.Tensor):
       if arg.device.type != 'xla':
+        # The message starts like upstream's, which its tests match on.
         warnings.warn(
+            f'Found tensor with shape {arg.size()} on {arg.device}: '
             f'{describe_arg(index, arg)} is not on the XLA device; the ops '
             'that use it run eagerly. Move all inputs to torch_xla.device() '
             'to run them in the compiled XLA graph.')
@@ -608,8 +630,11 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
     if isinstance(arg, torch.Tensor) and torch._is_functional_tensor(arg):
       torch._functionalize_sync(arg)
   _check_args(xla_args)
-  # Materialize every live tensor so argument ids show up as graph inputs.
-  torch_xla.sync(reset_scope=False)
+  if any(
+      isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
+      for arg in xla_args):
+    # Materialize every live tensor so argument ids show up as graph inputs.
+    torch_xla.sync(reset_scope=False)
   # Make CPU tensor constructors in the graph create XLA tensors.
   XLAConstructorMoverPass()(xla_model.graph)
 
