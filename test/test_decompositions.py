@@ -47,6 +47,7 @@ MODULES = {
 @pytest.fixture
 def uninstalled():
   decompositions.uninstall()
+  decompositions.reset_calls()  # call counts start at zero in every test
   torch._dynamo.reset()
   yield
   decompositions.uninstall()
@@ -208,6 +209,35 @@ def test_static_compile_unchanged(uninstalled, monkeypatch, name):
       'original': decompositions.calls()[name]['original']
   }
   assert decompositions.calls()[name]['original'] > 0
+
+
+# Three shapes per module for the dynamic tests; feature dims stay fixed.
+NO_GRAD_SHAPES = {
+    'aten::native_layer_norm': [(3, 5, 8), (4, 7, 8), (6, 9, 8)],
+    'aten::native_group_norm': [(3, 4, 5), (4, 4, 7), (6, 4, 9)],
+    'aten::max_pool2d': [(2, 3, 6, 8), (3, 3, 8, 10), (5, 3, 4, 12)],
+    'aten::max_pool3d': [(2, 3, 4, 6, 8), (3, 3, 6, 8, 4), (4, 3, 8, 4, 6)],
+}
+
+
+@pytest.mark.parametrize('name', sorted(MODULES))
+def test_dynamic_no_grad(uninstalled, name):
+  # Under no_grad AOTAutograd traces an inference graph, not a joint one: the
+  # AutogradXLA kernels still run first and must take the symbolic path.
+  decompositions.install()
+  device = torch_xla.device()
+  make_module, _ = MODULES[name]
+  torch.manual_seed(0)
+  module = make_module()
+  compiled = torch.compile(copy.deepcopy(module).to(device),
+                           backend='openxla',
+                           dynamic=True)
+  for shape in NO_GRAD_SHAPES[name]:
+    x = torch.randn(*shape)
+    with torch.no_grad():
+      out = compiled(x.to(device))
+    torch.testing.assert_close(out.cpu(), module(x).detach())
+  assert decompositions.calls()[name]['symbolic'] > 0
 
 
 def test_max_pool3d_dynamic(uninstalled):
