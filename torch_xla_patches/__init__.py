@@ -7,11 +7,13 @@ replaces `extract_compiled_graph` of torch_xla's dynamo bridge with the one in
 `torch_xla_patches.dynamo_bridge`. `revert()` restores everything apply()
 changed.
 """
+import os
 import threading
 from typing import Any, Optional
 
 from torch_xla_patches import _patching
 from torch_xla_patches import config
+from torch_xla_patches.warmup import TensorSpec
 
 SUPPORTED_TORCH_XLA_VERSIONS = ('2.9.0',)
 SUPPORTED_TORCH_VERSIONS = ('2.9.0',)
@@ -45,13 +47,31 @@ def original(owner: Any, name: str) -> Any:
   return _registry.original(owner, name)
 
 
-def apply(*, automatic_dynamic_shapes: Optional[bool] = None) -> None:
+def apply(*,
+          automatic_dynamic_shapes: Optional[bool] = None,
+          cache_dir: Optional[str] = None,
+          precompile_mode: Optional[str] = None,
+          persistent_executables: Optional[bool] = None) -> None:
   """Installs the patched bridge. Safe to call more than once.
 
   Args:
     automatic_dynamic_shapes: turn dynamo's automatic dynamic shapes back on
       (see config.automatic_dynamic_shapes); None keeps the config value.
+    cache_dir: directory of the persistent signature index
+      (config.cache_dir, env XLA_PATCHES_CACHE_DIR).
+    precompile_mode: 'sync', 'interleaved' or 'off' (config.precompile_mode).
+    persistent_executables: also call xr.initialize_cache(<cache_dir>/xla);
+      must happen before the first XLA compile of the process.
   """
+  if precompile_mode is not None:
+    if precompile_mode not in config.PRECOMPILE_MODES:
+      raise ValueError(f'precompile_mode must be one of '
+                       f'{config.PRECOMPILE_MODES}, got {precompile_mode!r}')
+    config.precompile_mode = precompile_mode
+  if cache_dir is not None:
+    config.cache_dir = os.fspath(cache_dir)
+  if persistent_executables is not None:
+    config.persistent_executables = persistent_executables
   global _decompositions_installed
   import torch
   import torch._dynamo
@@ -79,10 +99,28 @@ def apply(*, automatic_dynamic_shapes: Optional[bool] = None) -> None:
       automatic_dynamic_shapes = config.automatic_dynamic_shapes
     if automatic_dynamic_shapes:
       _registry.set(torch._dynamo.config, 'automatic_dynamic_shapes', True)
+    if config.persistent_executables and config.cache_dir:
+      _initialize_executable_cache(config.cache_dir)
     if config.install_decompositions:
       from torch_xla_patches import decompositions
       decompositions.install()
       _decompositions_installed = True
+
+
+def _initialize_executable_cache(cache_dir: str) -> None:
+  import torch_xla
+  import torch_xla.runtime as xr
+  if torch_xla._XLAC._xla_computation_cache_is_initialized():
+    raise RuntimeError(
+        'torch_xla_patches.apply(persistent_executables=True) must run before '
+        'the first XLA computation of the process.')
+  xr.initialize_cache(os.path.join(cache_dir, 'xla'), readonly=False)
+
+
+def precompile(compiled_fn, specs, progress: bool = True):
+  """See torch_xla_patches.warmup.precompile."""
+  from torch_xla_patches import warmup
+  return warmup.precompile(compiled_fn, specs, progress=progress)
 
 
 def revert() -> None:

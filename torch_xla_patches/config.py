@@ -39,3 +39,27 @@ automatic_dynamic_shapes = _env_bool('XLA_PATCHES_AUTOMATIC_DYNAMIC', True)
 # Install SymInt-safe tracing rules for XLA kernels that break dynamic tracing
 # (see decompositions.py).
 install_decompositions = _env_bool('XLA_PATCHES_DECOMPOSITIONS', True)
+
+# Directory of the persistent signature index (see persistent.py); None: off.
+cache_dir = os.environ.get('XLA_PATCHES_CACHE_DIR') or None
+
+# What a new process does with the signatures the index recorded for a graph:
+#   sync         compile them all when dynamo first hands the graph over, so
+#                no later request waits for a compile it could have skipped;
+#   interleaved  compile one after each served call until none are left;
+#   off          record only.
+precompile_mode = os.environ.get('XLA_PATCHES_PRECOMPILE', 'sync')
+
+# Print why a graph's fingerprint found no index file (which parts differ
+# from the closest recorded graph).
+explain_cache = _env_bool('XLA_PATCHES_EXPLAIN_CACHE', False)
+
+# Also ask torch_xla to persist compiled executables (xr.initialize_cache) in
+# <cache_dir>/xla. torch_xla 2.9 cannot load them back on CPU (and, per
+# pytorch/xla#9094, on TPU); the bridge detects that and says so once.
+persistent_executables = _env_bool('XLA_PATCHES_PERSISTENT_EXECUTABLES', False)
+
+PRECOMPILE_MODES = ('sync', 'interleaved', 'off')
+
+# Print a progress line per signature compiled from the index.
+precompile_progress = _env_bool('XLA_PATCHES_PRECOMPILE_PROGRESS', True)

@@ -48,6 +48,7 @@ COUNTER_MISS = 'DynamoSignatureMiss'  # a new signature was traced + compiled
 COUNTER_RETRACE = 'DynamoEvictedRetrace'  # XLA evicted a program; re-traced
 COUNTER_DROPPED = 'DynamoSignatureDropped'  # over the cap, LRU entry dropped
 COUNTER_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'  # graph partitioned
+COUNTER_PRECOMPILED = 'DynamoSignaturePrecompiled'  # compiled from the index
 
 _EVICTED_MESSAGE = 'Failed to get computation by hash'
 _PENDING_IR_MESSAGE = 'can not be a pending ir'
@@ -321,6 +322,39 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
       signature=layout.signature_of(args))
 
 
+class _GraphPersistence:
+  """A graph's link to the persistent signature index (config.cache_dir)."""
+
+  def __init__(self, index, fingerprint, layout: ArgLayout):
+    self.index = index
+    self.fingerprint = fingerprint
+    self.layout = layout
+
+  @classmethod
+  def create(cls, xla_model, layout: ArgLayout) -> Optional['_GraphPersistence']:
+    if not config.cache_dir or layout.spmd:
+      # Shardings cannot be rebuilt from a record, so SPMD graphs are not
+      # persisted.
+      return None
+    from torch_xla_patches import fingerprint, persistent
+    return cls(
+        persistent.SignatureIndex(config.cache_dir),
+        fingerprint.graph_fingerprint(xla_model, layout), layout)
+
+  def recorded_specs(self) -> List[Tuple[Any, ...]]:
+    specs = self.index.load(self.fingerprint, self.layout)
+    if not specs and config.explain_cache:
+      print(f'[torch_xla_patches] no recorded signatures for graph '
+            f'{self.fingerprint.key}: {self.index.explain_miss(self.fingerprint)}',
+            flush=True)
+    return specs
+
+  def record(self, args: Sequence[Any]) -> None:
+    from torch_xla_patches import persistent
+    self.index.record(self.fingerprint, self.layout,
+                      [persistent.input_specs(self.layout, args)])
+
+
 _graph_ids = itertools.count()
 _live_caches: 'weakref.WeakSet[SignatureCache]' = weakref.WeakSet()
 
@@ -348,6 +382,10 @@ class SignatureCache:
     self.entries: 'collections.OrderedDict[Hashable, CompiledGraphEntry]' = (
         collections.OrderedDict())
     self._warned_cap = False
+    # Persistent signature index of this graph, if configured.
+    self.persistence = _GraphPersistence.create(xla_model, layout)
+    # Recorded input specs not compiled yet in this process.
+    self.backlog: List[Tuple[Any, ...]] = []
     _live_caches.add(self)
 
   def trace(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
@@ -370,7 +408,40 @@ class SignatureCache:
     _increment_counter(COUNTER_MISS, 1)
     if config.explain_misses:
       print(self.explain_miss(args), flush=True)
-    return self.trace(key, args)
+    entry = self.trace(key, args)
+    if self.persistence is not None:
+      self.persistence.record(args)
+    return entry
+
+  def load_backlog(self, current_args: Sequence[Any]) -> None:
+    """Queues the recorded signatures other than `current_args`' own."""
+    if self.persistence is not None:
+      from torch_xla_patches import persistent
+      current = persistent.input_specs(self.layout, current_args)
+      self.backlog = [
+          specs for specs in self.persistence.recorded_specs()
+          if list(specs) != list(current)
+      ]
+
+  def precompile_next(self, live_args: Sequence[Any]) -> bool:
+    """Compiles one recorded signature; False when none is left."""
+    from torch_xla_patches import persistent
+    while self.backlog:
+      specs = self.backlog.pop(0)
+      try:
+        args = persistent.rebuild_args(self.layout, specs, live_args,
+                                       torch_xla.device())
+      except (KeyError, TypeError, ValueError) as e:
+        warnings.warn(f'torch_xla_patches: skipping a recorded signature of '
+                      f'graph {self.graph_id}: {e}')
+        continue
+      key = self.key_of(args)
+      if key in self.entries:
+        continue
+      _increment_counter(COUNTER_PRECOMPILED, 1)
+      self.trace(key, args)
+      return True
+    return False
 
   def explain_miss(self, args: Sequence[Any]) -> str:
     signature = self.layout.signature_of(args)
@@ -404,7 +475,12 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   if dynamo_debug:
     print(f'[torch_xla_patches] graph {cache.graph_id} layout: {layout.kinds}')
   cache.on_miss(cache.key_of(first_args), first_args)
+  cache.load_backlog(first_args)
+  if cache.backlog and config.precompile_mode == 'sync':
+    from torch_xla_patches import warmup
+    warmup.precompile_backlog(cache, first_args)
   del xla_model.xla_args
+  backlog = cache.backlog
 
   key_of = cache.key_of
   entries = cache.entries
@@ -469,7 +545,10 @@ def extract_internal(xla_model: torch.fx.GraphModule):
         plan = entry.output_plan
     else:
       results = []
-    return plan.assemble(results, args)
+    outputs = plan.assemble(results, args)
+    if backlog and config.precompile_mode == 'interleaved':
+      cache.precompile_next(args)
+    return outputs
 
   optimized_mod.signature_cache = cache
   return optimized_mod

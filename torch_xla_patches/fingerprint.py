@@ -1,0 +1,128 @@
+"""The fingerprint of a graph for the persistent signature index.
+
+[Note: Graph fingerprint]
+A fingerprint is a SHA-256 over an ordered list of named parts, each hashed
+on its own so a miss can be explained part by part:
+  graph_code       FX code of the graph the bridge received
+  input_metadata   kind, dtype and (symbolic) sizes of every graph input
+  torch_version, torch_xla_version, python_version
+  device_kind, device_count
+  xla_flags        XLA_FLAGS and the other XLA_* variables that change programs
+  spmd             whether SPMD is on
+Left out on purpose: parameter values (they are graph inputs, not part of the
+program) and anything that differs between runs of the same program (object
+ids, temp paths). The index never supplies a compiled program, only the list
+of signatures to compile from the live graph, so a stale entry can cost
+compile time but can never run the wrong program.
+"""
+import dataclasses
+import hashlib
+import os
+import platform
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from torch_xla_patches.signature import ArgLayout
+
+# XLA_* environment variables that do not change the compiled program.
+_IGNORED_ENV = frozenset({
+    'XLA_PATCHES_CACHE_DIR', 'XLA_PATCHES_EXPLAIN_MISSES',
+    'XLA_PATCHES_EXPLAIN_CACHE', 'XLA_PATCHES_PRECOMPILE',
+    'XLA_PATCHES_MAX_SIGNATURES', 'XLA_COMPILATION_CACHE_SIZE', 'XLA_IR_DEBUG',
+    'XLA_HLO_DEBUG', 'XLA_DYNAMO_DEBUG', 'XLA_METRICS_FILE',
+    'XLA_SAVE_TENSORS_FILE', 'XLA_PERSISTENT_CACHE_PATH',
+    'XLA_PERSISTENT_CACHE_READ_ONLY', 'XLA_PATCHES_PERSISTENT_EXECUTABLES'
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class FingerprintPart:
+  name: str
+  # Human-readable value (kept in the index file, shown when explaining).
+  value: str
+
+  @property
+  def digest(self) -> str:
+    return hashlib.sha256(self.value.encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphFingerprint:
+  parts: tuple  # Tuple[FingerprintPart, ...], in a fixed order
+
+  @property
+  def key(self) -> str:
+    combined = hashlib.sha256()
+    for part in self.parts:
+      combined.update(part.name.encode())
+      combined.update(part.digest.encode())
+    return combined.hexdigest()[:32]
+
+  def as_dict(self) -> Dict[str, str]:
+    return {part.name: part.value for part in self.parts}
+
+  def differing_parts(self, other: Dict[str, str]) -> List[str]:
+    """Names of the parts whose values differ from `other` (a stored dict)."""
+    mine = self.as_dict()
+    return [
+        name for name in list(mine) + [n for n in other if n not in mine]
+        if mine.get(name) != other.get(name)
+    ]
+
+
+def _describe_value(value: Any) -> str:
+  if isinstance(value, torch.Tensor):
+    sizes = ','.join(str(s) for s in value.shape)
+    return f'tensor({value.dtype};[{sizes}])'
+  if value is None:
+    return 'unknown'
+  return type(value).__name__
+
+
+def _input_metadata(xla_model: Optional[torch.fx.GraphModule],
+                    layout: ArgLayout) -> str:
+  values: Sequence[Any] = [None] * len(layout.kinds)
+  if xla_model is not None:
+    placeholders = [
+        node.meta.get('val')
+        for node in xla_model.graph.nodes
+        if node.op == 'placeholder'
+    ]
+    if len(placeholders) == len(layout.kinds):
+      values = placeholders
+  return ';'.join(f'{kind.value}:{_describe_value(value)}'
+                  for kind, value in zip(layout.kinds, values))
+
+
+def _xla_flags() -> str:
+  items = sorted((name, value)
+                 for name, value in os.environ.items()
+                 if (name.startswith('XLA_') or name == 'LIBTPU_INIT_ARGS') and
+                 name not in _IGNORED_ENV)
+  return ';'.join(f'{name}={value}' for name, value in items)
+
+
+def runtime_parts() -> List[FingerprintPart]:
+  """The parts that describe the process rather than the graph."""
+  import torch_xla
+  import torch_xla.runtime as xr
+  return [
+      FingerprintPart('torch_version', torch.__version__),
+      FingerprintPart('torch_xla_version', torch_xla.__version__),
+      FingerprintPart('python_version', platform.python_version()),
+      FingerprintPart('device_kind', str(xr.device_type())),
+      FingerprintPart('device_count', str(xr.global_runtime_device_count())),
+      FingerprintPart('xla_flags', _xla_flags()),
+      FingerprintPart('spmd', str(xr.is_spmd())),
+  ]
+
+
+def graph_fingerprint(xla_model: Optional[torch.fx.GraphModule],
+                      layout: ArgLayout) -> GraphFingerprint:
+  code = xla_model.code if xla_model is not None else ''
+  parts = [
+      FingerprintPart('graph_code', code.strip()),
+      FingerprintPart('input_metadata', _input_metadata(xla_model, layout)),
+  ]
+  return GraphFingerprint(tuple(parts + runtime_parts()))
