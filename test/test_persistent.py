@@ -180,5 +180,20 @@ def test_rebuild_args_uses_live_parameters_and_recorded_sizes():
   assert args[2] is live[2]
 
 
+def test_cache_cli_lists_verifies_and_clears(tmp_path, capsys):
+  sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
+  import xla_cache
+  index = recorded(tmp_path)
+  assert xla_cache.main(['list', str(tmp_path)]) == 0
+  assert '0=4 1:float32[4, 8]' in capsys.readouterr().out
+  assert xla_cache.main(['verify', str(tmp_path)]) == 0
+  with open(index.path_for('bogus'), 'w') as f:
+    f.write('{')
+  assert xla_cache.main(['verify', str(tmp_path)]) == 1
+  assert 'BAD bogus.json: unreadable' in capsys.readouterr().out
+  assert xla_cache.main(['clear', str(tmp_path)]) == 0
+  assert not os.path.exists(index.directory)
+
+
 if __name__ == '__main__':
   sys.exit(pytest.main([__file__, '-q']))

@@ -99,6 +99,9 @@ def apply(*,
       automatic_dynamic_shapes = config.automatic_dynamic_shapes
     if automatic_dynamic_shapes:
       _registry.set(torch._dynamo.config, 'automatic_dynamic_shapes', True)
+    if not config.cpp_symbolic_shape_guards:
+      _registry.set(torch._dynamo.config, 'enable_cpp_symbolic_shape_guards',
+                    False)
     if config.persistent_executables and config.cache_dir:
       _initialize_executable_cache(config.cache_dir)
     if config.install_decompositions:

@@ -63,3 +63,10 @@ PRECOMPILE_MODES = ('sync', 'interleaved', 'off')
 
 # Print a progress line per signature compiled from the index.
 precompile_progress = _env_bool('XLA_PATCHES_PRECOMPILE_PROGRESS', True)
+
+# dynamo compiles symbolic-shape guards to C++ by default, which runs a C++
+# compiler on the first call of every dynamic graph: on the 2-core CPU machine
+# it took a 4-layer LM's first call from 4.6 s to 12.3 s, with no per-call
+# gain we could measure (tools/bench_warmup.py, tools/bench_dispatch.py).
+# apply() turns it off unless this is set; revert() restores torch's value.
+cpp_symbolic_shape_guards = _env_bool('XLA_PATCHES_CPP_SYMBOLIC_GUARDS', False)

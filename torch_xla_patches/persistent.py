@@ -77,10 +77,11 @@ def rebuild_args(layout: ArgLayout, specs: Sequence[InputSpec],
     if kind in (ArgKind.SHAPE, ArgKind.SCALAR):
       args.append(spec['value'])
     elif kind == ArgKind.DYNAMIC_TENSOR:
+      # Made on the host and copied: zeros made on the device would be a
+      # small XLA program of their own, compiled once per shape.
       args.append(
-          torch.zeros(
-              spec['shape'], dtype=_dtype_from_name(spec['dtype']),
-              device=device))
+          torch.zeros(spec['shape'],
+                      dtype=_dtype_from_name(spec['dtype'])).to(device))
     else:
       args.append(live)
   return args

@@ -32,7 +32,9 @@ class TensorSpec:
   dtype: torch.dtype = torch.float32
 
   def materialize(self, device) -> torch.Tensor:
-    return torch.zeros(self.shape, dtype=self.dtype, device=device)
+    # Copied from the host: zeros made on the device would compile a small
+    # program per shape.
+    return torch.zeros(self.shape, dtype=self.dtype).to(device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,73 @@
+"""Each fingerprint part on its own: same input, same key; one change, a
+different key, and the explanation names that part."""
+import sys
+
+import pytest
+import torch
+
+from torch_xla_patches import fingerprint
+from torch_xla_patches.signature import ArgKind, ArgLayout
+
+
+def graph_of(fn):
+  return torch.fx.symbolic_trace(fn)
+
+
+def add(x, y):
+  return x + y
+
+
+def mul(x, y):
+  return x * y
+
+
+LAYOUT = ArgLayout(kinds=(ArgKind.DYNAMIC_TENSOR, ArgKind.DYNAMIC_TENSOR))
+
+
+def test_same_graph_same_key():
+  a = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  b = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  assert a.key == b.key
+  assert a.differing_parts(b.as_dict()) == []
+
+
+def test_graph_code_change_is_named():
+  a = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  b = fingerprint.graph_fingerprint(graph_of(mul), LAYOUT)
+  assert a.key != b.key
+  assert b.differing_parts(a.as_dict()) == ['graph_code']
+
+
+def test_input_metadata_change_is_named():
+  a = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  other_layout = ArgLayout(kinds=(ArgKind.DYNAMIC_TENSOR, ArgKind.PARAMETER))
+  b = fingerprint.graph_fingerprint(graph_of(add), other_layout)
+  assert b.differing_parts(a.as_dict()) == ['input_metadata']
+
+
+@pytest.mark.parametrize('name, value', [('XLA_FLAGS', '--xla_dump_to=/x'),
+                                         ('XLA_USE_BF16', '1')])
+def test_xla_flags_change_is_named(monkeypatch, name, value):
+  a = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  monkeypatch.setenv(name, value)
+  b = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  assert b.differing_parts(a.as_dict()) == ['xla_flags']
+
+
+def test_debug_and_cache_variables_do_not_change_the_key(monkeypatch):
+  a = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  monkeypatch.setenv('XLA_PATCHES_EXPLAIN_MISSES', '1')
+  monkeypatch.setenv('XLA_PERSISTENT_CACHE_PATH', '/tmp/elsewhere')
+  assert fingerprint.graph_fingerprint(graph_of(add), LAYOUT).key == a.key
+
+
+def test_versions_and_devices_are_parts():
+  names = [p.name for p in fingerprint.graph_fingerprint(None, LAYOUT).parts]
+  assert names == [
+      'graph_code', 'input_metadata', 'torch_version', 'torch_xla_version',
+      'python_version', 'device_kind', 'device_count', 'xla_flags', 'spmd'
+  ]
+
+
+if __name__ == '__main__':
+  sys.exit(pytest.main([__file__, '-q']))

@@ -1,0 +1,307 @@
+"""Warm-up benchmark: how long a server takes to serve every shape once.
+
+A built-in decoder LM (token embedding, N pre-norm blocks with causal SDPA and
+a GELU MLP, tied output head) is served over a grid of (batch, seq) shapes.
+Each mode runs in a fresh process, one after another in this run:
+
+  upstream-static    torch_xla 2.9.0 bridge, dynamic=False (a trace per shape)
+  upstream-dynamic   torch_xla 2.9.0 bridge, dynamic=True
+  patched-cold       torch_xla_patches.apply(), dynamic=True, empty index
+  patched-precompile patched, torch_xla_patches.precompile(grid) then serve
+  patched-index      patched, fresh process whose index the cold run filled
+
+For each: wall seconds to serve the grid once (after model set-up), time to
+the first result, dynamo frame compiles, lazy traces, XLA compiles and seconds
+spent in XLA compile. Prints a markdown table, writes JSON and a PNG chart.
+
+  python tools/bench_warmup.py            # the full 30-shape grid
+  python tools/bench_warmup.py --demo     # a 12-shape grid, for make demo
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FULL_GRID = [(b, s) for b in (1, 2, 4, 8, 16) for s in (16, 32, 64, 128, 256, 512)]
+DEMO_GRID = [(b, s) for b in (1, 2, 4, 8) for s in (16, 32, 64)]
+
+MODES = ('upstream-static', 'upstream-dynamic', 'patched-cold',
+         'patched-precompile', 'patched-index')
+
+
+def build_model(norm: str, layers: int, width: int, vocab: int = 256):
+  import torch
+  import torch.nn.functional as F
+
+  class RMSNorm(torch.nn.Module):
+
+    def __init__(self, dim, eps=1e-6):
+      super().__init__()
+      self.eps = eps
+      self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+      scale = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+      return x * scale * self.weight
+
+  def make_norm():
+    return torch.nn.LayerNorm(width) if norm == 'layernorm' else RMSNorm(width)
+
+  class Block(torch.nn.Module):
+
+    def __init__(self):
+      super().__init__()
+      self.heads = 4
+      self.norm1 = make_norm()
+      self.qkv = torch.nn.Linear(width, 3 * width)
+      self.proj = torch.nn.Linear(width, width)
+      self.norm2 = make_norm()
+      self.up = torch.nn.Linear(width, 4 * width)
+      self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+      batch, seq, _ = x.shape
+      q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+      q, k, v = (t.reshape(batch, seq, self.heads, -1).transpose(1, 2)
+                 for t in (q, k, v))
+      attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+      x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, width))
+      return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+  class DecoderLM(torch.nn.Module):
+
+    def __init__(self):
+      super().__init__()
+      self.embed = torch.nn.Embedding(vocab, width)
+      self.pos = torch.nn.Embedding(1024, width)
+      self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
+      self.norm = make_norm()
+
+    def forward(self, tokens):
+      positions = torch.arange(tokens.shape[1], device=tokens.device)
+      x = self.embed(tokens) + self.pos(positions)
+      for block in self.blocks:
+        x = block(x)
+      return self.norm(x) @ self.embed.weight.t()
+
+  torch.manual_seed(0)
+  return DecoderLM()
+
+
+def run_mode(mode: str, grid, norm: str, layers: int, width: int,
+             cache_dir: str) -> dict:
+  """Runs one mode in this process; returns its measurements."""
+  os.environ.setdefault('PJRT_DEVICE', 'CPU')
+  import torch
+  import torch._dynamo
+  import torch_xla
+  import torch_xla.debug.metrics as met
+  import torch_xla._dynamo.dynamo_bridge as upstream_bridge
+  import torch_xla_patches
+  from torch_xla_patches import dynamo_bridge as patched_bridge
+
+  patched = mode.startswith('patched')
+  if patched:
+    torch_xla_patches.apply(cache_dir=cache_dir)
+  if mode == 'upstream-static':
+    # 30 shapes need 30 dynamo cache entries; the default limit is 8.
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+
+  traces = [0]
+  bridge_module = patched_bridge if patched else upstream_bridge
+  original_helper = bridge_module.extract_graph_helper
+
+  def counting_helper(*args, **kwargs):
+    traces[0] += 1
+    return original_helper(*args, **kwargs)
+
+  bridge_module.extract_graph_helper = counting_helper
+  frames = [0]
+  openxla = torch._dynamo.lookup_backend('openxla')
+
+  def counting_backend(gm, example_inputs):
+    frames[0] += 1
+    return openxla(gm, example_inputs)
+
+  device = torch_xla.device()
+  model = build_model(norm, layers, width).to(device).eval()
+  token_batches = [
+      torch.randint(0, 256, (b, s)).to(device) for b, s in grid
+  ]
+  torch_xla.sync()
+  met.clear_all()
+  torch.set_grad_enabled(False)
+  compiled = torch.compile(
+      model, backend=counting_backend, dynamic=(mode != 'upstream-static'))
+
+  start = time.perf_counter()
+  first_result = None
+  precompile_seconds = 0.0
+  if mode == 'patched-precompile':
+    torch_xla_patches.precompile(
+        compiled, [(tokens,) for tokens in token_batches], progress=False)
+    precompile_seconds = time.perf_counter() - start
+  for tokens in token_batches:
+    compiled(tokens).cpu()
+    if first_result is None:
+      first_result = time.perf_counter() - start
+  wall = time.perf_counter() - start
+
+  compile_data = met.metric_data('CompileTime')
+  result = {
+      'mode': mode,
+      'shapes': len(grid),
+      'wall_s': wall,
+      'first_result_s': first_result,
+      'precompile_s': precompile_seconds,
+      'dynamo_frames': frames[0],
+      'lazy_traces': traces[0],
+      'xla_compiles': compile_data[0] if compile_data else 0,
+      'xla_compile_s': compile_data[1] / 1e9 if compile_data else 0.0,
+  }
+  if patched:
+    result['served_misses'] = met.counter_value('DynamoSignatureMiss') or 0
+    result['precompiled_from_index'] = met.counter_value(
+        'DynamoSignaturePrecompiled') or 0
+  return result
+
+
+def run_in_subprocess(mode, args, cache_dir) -> dict:
+  command = [
+      sys.executable, os.path.abspath(__file__), '--run-mode', mode, '--norm',
+      args.norm, '--layers',
+      str(args.layers), '--width',
+      str(args.width), '--cache-dir', cache_dir
+  ]
+  if args.demo:
+    command.append('--demo')
+  env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'))
+  env['PYTHONPATH'] = os.pathsep.join([REPO_ROOT, env.get('PYTHONPATH', '')])
+  env.setdefault('XLA_PATCHES_PRECOMPILE_PROGRESS', '0')
+  print(f'running {mode} ...', file=sys.stderr, flush=True)
+  proc = subprocess.run(command, env=env, capture_output=True, text=True)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith('{')]
+  if proc.returncode != 0 or not lines:
+    lines = proc.stderr.strip().splitlines() or ['no output']
+    errors = [l for l in lines if 'Error' in l or 'error' in l]
+    reason = (errors or lines)[-1]
+    return {'mode': mode, 'error': reason[:200]}
+  return json.loads(lines[-1])
+
+
+def format_table(results, grid_name: str) -> str:
+  by_mode = {r['mode']: r for r in results}
+  reference = {
+      name: by_mode[name]['wall_s']
+      for name in ('upstream-static', 'upstream-dynamic')
+      if name in by_mode and 'error' not in by_mode[name]
+  }
+  rows = [
+      f'Warm-up over the {grid_name} grid ({results[0].get("shapes", "?")} '
+      'shapes), one fresh process per mode', '',
+      '| mode | wall s | first result s | dynamo frames | lazy traces | '
+      'XLA compiles | XLA compile s | vs upstream static | vs upstream dynamic |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|---:|'
+  ]
+  for r in results:
+    if 'error' in r:
+      rows.append(f'| {r["mode"]} | failed: {r["error"]} |||||||||')
+      continue
+    ratios = [
+        f'{r["wall_s"] / reference[name]:.2f}x' if name in reference else '-'
+        for name in ('upstream-static', 'upstream-dynamic')
+    ]
+    rows.append(f'| {r["mode"]} | {r["wall_s"]:.1f} | '
+                f'{r["first_result_s"]:.1f} | {r["dynamo_frames"]} | '
+                f'{r["lazy_traces"]} | {r["xla_compiles"]} | '
+                f'{r["xla_compile_s"]:.1f} | {ratios[0]} | {ratios[1]} |')
+  cold = by_mode.get('patched-cold')
+  if cold and 'error' not in cold and cold['xla_compile_s']:
+    rows.append('')
+    rows.append(f'patched-cold wall / its own XLA compile seconds: '
+                f'{cold["wall_s"] / cold["xla_compile_s"]:.2f}')
+  index = by_mode.get('patched-index')
+  if index and 'error' not in index:
+    rows.append(f'patched-index: {index["precompiled_from_index"]} signatures '
+                f'compiled from the index, {index["served_misses"]} requests '
+                'traced on arrival (the first request of each graph)')
+  return '\n'.join(rows)
+
+
+def write_chart(results, path: str) -> bool:
+  try:
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print('matplotlib is not installed; no chart written', file=sys.stderr)
+    return False
+  ok = [r for r in results if 'error' not in r]
+  names = [r['mode'] for r in ok]
+  walls = [r['wall_s'] for r in ok]
+  compiles = [r['xla_compile_s'] for r in ok]
+  fig, ax = plt.subplots(figsize=(8, 3.8))
+  positions = range(len(ok))
+  ax.barh(positions, walls, color='#4c72b0', label='wall seconds')
+  ax.barh(positions, compiles, color='#dd8452', height=0.4,
+          label='of which XLA compile')
+  ax.set_yticks(list(positions), names)
+  ax.invert_yaxis()
+  ax.set_xlabel('seconds to serve every shape once')
+  ax.legend(loc='lower right')
+  for pos, wall in zip(positions, walls):
+    ax.text(wall, pos, f' {wall:.1f}s', va='center')
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return True
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--demo', action='store_true',
+                      help='the 12-shape grid (batch 1-8 x seq 16-64)')
+  parser.add_argument('--norm', choices=('layernorm', 'rmsnorm'),
+                      default='layernorm')
+  parser.add_argument('--layers', type=int, default=4)
+  parser.add_argument('--width', type=int, default=128)
+  parser.add_argument('--modes', default=','.join(MODES))
+  parser.add_argument('--out', default=os.path.join(REPO_ROOT, 'bench_out'))
+  parser.add_argument('--run-mode', help=argparse.SUPPRESS)
+  parser.add_argument('--cache-dir', help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  grid = DEMO_GRID if args.demo else FULL_GRID
+
+  if args.run_mode:
+    print(json.dumps(
+        run_mode(args.run_mode, grid, args.norm, args.layers, args.width,
+                 args.cache_dir)))
+    return 0
+
+  modes = [m.strip() for m in args.modes.split(',') if m.strip()]
+  results = []
+  with tempfile.TemporaryDirectory(prefix='xla_patches_bench_') as cache_dir:
+    for mode in modes:
+      results.append(run_in_subprocess(mode, args, cache_dir))
+  grid_name = 'demo' if args.demo else 'full'
+  table = format_table(results, f'{grid_name} ({args.norm})')
+  print(table)
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, f'warmup_{grid_name}_{args.norm}')
+  with open(stem + '.json', 'w') as f:
+    json.dump(results, f, indent=2)
+  with open(stem + '.md', 'w') as f:
+    f.write(table + '\n')
+  if write_chart(results, stem + '.png'):
+    print(f'\nwrote {stem}.json, {stem}.md and {stem}.png')
+  return 1 if any('error' in r and r['mode'].startswith('patched')
+                  for r in results) else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
