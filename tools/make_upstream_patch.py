@@ -1255,7 +1255,8 @@ def _check_rendered(source: str, repo_path: str = BRIDGE_REPO_PATH) -> None:
                        f'{", ".join(sorted(undefined))}')
 
 
-def _print_report(result: RenderResult, out=sys.stdout) -> None:
+def _print_report(result: RenderResult, out=None) -> None:
+  out = out or sys.stdout
 
   def section(title: str, items: Iterable[str]) -> None:
     items = list(items)

@@ -1,0 +1,313 @@
+"""Runs a pytorch/xla checkout's test/dynamo tests without and with the patch.
+
+  python tools/run_upstream_tests.py --xla-src /path/to/pytorch-xla-checkout
+      [--automatic-dynamic both|on|off] [--rendered] [--files A.py,B.py]
+      [--timeout 900] [--logs DIR] [--json FILE]
+
+Each test/dynamo/*.py file runs as its own process, `python dynamo/FILE.py`
+from the checkout's test/ directory, with the checkout's examples/ and test/
+on PYTHONPATH, once per column:
+  upstream          torch_xla as installed
+  patched           torch_xla_patches.apply() at interpreter start (a
+                    sitecustomize.py in a temporary directory; see
+                    test/upstream_mode.py), XLA_PATCHES_AUTOMATIC_DYNAMIC=1
+  patched, no auto  the same with XLA_PATCHES_AUTOMATIC_DYNAMIC=0: dynamo's
+                    automatic dynamic shapes stay off, as torch_xla sets them
+  rendered          (--rendered) the files tools/make_upstream_patch.py
+                    renders, loaded in place of torch_xla's bridge and config
+
+then prints a table with one row per file. A cell reads `ok 12` (12 tests
+ran, all passed), `FAIL f1 e8 /20` (failures, errors, of tests run) or the
+exit status when no unittest summary was printed. Logs go to --logs.
+
+Known differences, on torch_xla 2.9.0 and the CPU device:
+  * test_dynamo_dynamic_shape.py test_dynamic_shape_mix_with_non_dynamic
+    counts graphs under torch_xla's default (automatic dynamic shapes off);
+    apply() turns them on, so it fails in the `patched` column and passes in
+    `patched, no auto`.
+  * test_dynamo.py: the cases parametrized with
+    torch_xla._dynamo.dynamo_backend2 (a JAX/torchax backend) error in every
+    column when jax or torchax is missing.
+  * test_graph_input_matcher.py and test_num_output.py build a
+    GraphInputMatcher with upstream's constructor; the rendered bridge's
+    takes other arguments (make_upstream_patch.py reports it).
+torchvision is needed by test_dynamo.py and test_dynamo_dynamic_shape.py; it
+is not a dependency of this project (pip install torchvision==0.24.0 for
+torch 2.9.0).
+"""
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO_ROOT, 'test'))
+sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
+
+import upstream_mode  # noqa: E402  (test/upstream_mode.py)
+
+_RAN = re.compile(r'^Ran (\d+) tests? in', re.MULTILINE)
+_FAILED = re.compile(r'^FAILED \(([^)]*)\)', re.MULTILINE)
+_OK = re.compile(r'^OK\b', re.MULTILINE)
+
+
+@dataclasses.dataclass
+class Column:
+  title: str
+  # upstream_mode mode: '' (none), 'patched' or 'rendered'.
+  mode: str
+  env: Dict[str, str]
+
+
+@dataclasses.dataclass
+class Outcome:
+  returncode: Optional[int]  # None: timed out
+  ran: Optional[int]
+  failures: int
+  errors: int
+  skipped: int
+  seconds: float
+  log: str
+
+  @property
+  def passed(self) -> bool:
+    return self.returncode == 0
+
+  def cell(self) -> str:
+    if self.returncode is None:
+      return 'TIMEOUT'
+    if self.ran is None:
+      return f'exit {self.returncode}'
+    if self.passed and not (self.failures or self.errors):
+      return f'ok {self.ran}' + (f' s{self.skipped}' if self.skipped else '')
+    return f'FAIL f{self.failures} e{self.errors} /{self.ran}'
+
+
+def parse_unittest(output: str) -> Dict[str, Optional[int]]:
+  """Counts from the last unittest summary in `output`."""
+  counts = {'ran': None, 'failures': 0, 'errors': 0, 'skipped': 0}
+  ran = _RAN.findall(output)
+  if ran:
+    counts['ran'] = sum(int(n) for n in ran)
+  for summary in _FAILED.findall(output):
+    for part in summary.split(','):
+      key, _, value = part.strip().partition('=')
+      if key in counts and value.isdigit():
+        counts[key] += int(value)
+  for match in re.finditer(r'^OK \(([^)]*)\)', output, re.MULTILINE):
+    for part in match.group(1).split(','):
+      key, _, value = part.strip().partition('=')
+      if key == 'skipped' and value.isdigit():
+        counts['skipped'] += int(value)
+  return counts
+
+
+def run_file(xla_src: str, test_file: str, column: Column, hook_dir: str,
+             rendered_dir: Optional[str], timeout: float,
+             log_dir: str) -> Outcome:
+  test_dir = os.path.join(xla_src, 'test')
+  base = dict(os.environ)
+  base.setdefault('PJRT_DEVICE', 'CPU')
+  base['PYTHONPATH'] = os.pathsep.join(
+      [os.path.join(xla_src, 'examples'), test_dir] +
+      [p for p in base.get('PYTHONPATH', '').split(os.pathsep) if p])
+  base.update(column.env)
+  env = upstream_mode.subprocess_env(column.mode, hook_dir, rendered_dir, base)
+  start = time.monotonic()
+  try:
+    proc = subprocess.run(
+        [sys.executable, os.path.join('dynamo', test_file)],
+        cwd=test_dir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout)
+    output, returncode = proc.stdout, proc.returncode
+  except subprocess.TimeoutExpired as e:
+    output = e.stdout if isinstance(
+        e.stdout, str) else (e.stdout or b'').decode(errors='replace')
+    returncode = None
+  seconds = time.monotonic() - start
+  log = os.path.join(log_dir, _slug(column.title), test_file + '.log')
+  os.makedirs(os.path.dirname(log), exist_ok=True)
+  with open(log, 'w', encoding='utf-8') as f:
+    f.write(output)
+  counts = parse_unittest(output)
+  return Outcome(returncode, counts['ran'], counts['failures'],
+                 counts['errors'], counts['skipped'], seconds, log)
+
+
+def _slug(title: str) -> str:
+  return re.sub(r'[^a-z0-9]+', '-', title.lower()).strip('-')
+
+
+def columns_for(automatic_dynamic: str, rendered: bool) -> List[Column]:
+  columns = [Column('upstream', '', {})]
+  if automatic_dynamic in ('on', 'both'):
+    columns.append(
+        Column('patched', 'patched', {'XLA_PATCHES_AUTOMATIC_DYNAMIC': '1'}))
+  if automatic_dynamic in ('off', 'both'):
+    columns.append(
+        Column('patched, no auto', 'patched',
+               {'XLA_PATCHES_AUTOMATIC_DYNAMIC': '0'}))
+  if rendered:
+    columns.append(Column('rendered', 'rendered', {}))
+  return columns
+
+
+def format_table(files: List[str], columns: List[Column],
+                 results: Dict[str, Dict[str, Outcome]]) -> str:
+  header = ['file'] + [c.title for c in columns]
+  rows = [[f] + [results[c.title][f].cell() for c in columns] for f in files]
+  totals = ['files passed'] + [
+      f'{sum(results[c.title][f].passed for f in files)}/{len(files)}'
+      for c in columns
+  ]
+  widths = [
+      max(len(r[i])
+          for r in [header] + rows + [totals])
+      for i in range(len(header))
+  ]
+
+  def line(cells):
+    return '  '.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+  rule = '  '.join('-' * w for w in widths)
+  return '\n'.join([line(header), rule] + [line(r) for r in rows] +
+                   [rule, line(totals)])
+
+
+def environment_notes() -> List[str]:
+  notes = []
+  if importlib.util.find_spec('torchvision') is None:
+    notes.append('torchvision is NOT installed: test_dynamo.py and '
+                 'test_dynamo_dynamic_shape.py import it and fail in every '
+                 'column. It is not a project dependency; install it with '
+                 '`pip install torchvision==0.24.0` (for torch 2.9.0).')
+  missing = [
+      m for m in ('jax', 'torchax') if importlib.util.find_spec(m) is None
+  ]
+  if missing:
+    notes.append(f'{" and ".join(missing)} not installed: test_dynamo.py\'s '
+                 'cases parametrized with dynamo_backend2 error in every '
+                 'column.')
+  return notes
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--xla-src',
+                      required=True,
+                      help='pytorch/xla checkout (needs test/ and examples/)')
+  parser.add_argument('--automatic-dynamic',
+                      choices=('on', 'off', 'both'),
+                      default='both',
+                      help='patched columns: with XLA_PATCHES_AUTOMATIC_DYNAMIC'
+                      ' 1, 0 or both')
+  parser.add_argument('--rendered',
+                      action='store_true',
+                      help='add a column for the rendered upstream patch')
+  parser.add_argument('--files',
+                      default='',
+                      help='comma-separated test/dynamo file names (default: '
+                      'all test_*.py)')
+  parser.add_argument('--timeout',
+                      type=float,
+                      default=900,
+                      help='seconds per file and column')
+  parser.add_argument('--logs',
+                      default=os.path.join(REPO_ROOT, 'build',
+                                           'upstream-tests'),
+                      help='directory for the per-file logs')
+  parser.add_argument('--json', help='also write the results here')
+  args = parser.parse_args(argv)
+
+  xla_src = os.path.abspath(args.xla_src)
+  dynamo_dir = os.path.join(xla_src, 'test', 'dynamo')
+  if not os.path.isdir(dynamo_dir):
+    print(
+        f'run_upstream_tests: {dynamo_dir} does not exist; pass a '
+        'pytorch/xla checkout with XLA_SRC=...',
+        file=sys.stderr)
+    return 2
+  if args.files:
+    files = [f.strip() for f in args.files.split(',') if f.strip()]
+  else:
+    files = sorted(
+        os.path.basename(p)
+        for p in glob.glob(os.path.join(dynamo_dir, 'test_*.py')))
+  unknown = [
+      f for f in files if not os.path.exists(os.path.join(dynamo_dir, f))
+  ]
+  if unknown:
+    print(f'run_upstream_tests: no such files in {dynamo_dir}: {unknown}',
+          file=sys.stderr)
+    return 2
+  notes = environment_notes()
+  for note in notes:
+    print(f'NOTE: {note}', flush=True)
+
+  columns = columns_for(args.automatic_dynamic, args.rendered)
+  with tempfile.TemporaryDirectory(prefix='xla-upstream-tests-') as tmp:
+    hook_dir = os.path.join(tmp, 'hook')
+    upstream_mode.write_sitecustomize(hook_dir)
+    rendered_dir = None
+    if args.rendered:
+      import make_upstream_patch
+      rendered_dir = os.path.join(tmp, 'rendered')
+      try:
+        make_upstream_patch.render(rendered_dir)
+      except make_upstream_patch.RefusedError as e:
+        print(f'run_upstream_tests: cannot render the patch: {e}',
+              file=sys.stderr)
+        return 2
+    results: Dict[str, Dict[str, Outcome]] = {c.title: {} for c in columns}
+    for test_file in files:
+      for column in columns:
+        outcome = run_file(xla_src, test_file, column, hook_dir, rendered_dir,
+                           args.timeout, args.logs)
+        results[column.title][test_file] = outcome
+        print(
+            f'{test_file:40s} {column.title:18s} {outcome.cell():20s} '
+            f'{outcome.seconds:6.1f}s',
+            flush=True)
+
+  print()
+  print(format_table(files, columns, results))
+  for note in notes:
+    print(f'NOTE: {note}')
+  print(f'logs: {args.logs}')
+  if args.json:
+    with open(args.json, 'w', encoding='utf-8') as f:
+      json.dump(
+          {
+              c.title: {
+                  name: dataclasses.asdict(o)
+                  for name, o in results[c.title].items()
+              } for c in columns
+          },
+          f,
+          indent=2)
+  # Success means the patch changes nothing: every file that passes without
+  # it passes with it (the known automatic-dynamic difference aside).
+  baseline = results['upstream']
+  regressions = [(c.title, f)
+                 for c in columns[1:]
+                 for f in files
+                 if baseline[f].passed and not results[c.title][f].passed]
+  for title, f in regressions:
+    print(f'regression: {f} passes upstream, not in "{title}"')
+  return 1 if regressions else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
