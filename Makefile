@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test format format-check bench clean
+.PHONY: setup demo test format format-check bench clean upstream-tests
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ format: $(STAMP)
 
 format-check: $(STAMP)
 	$(PY) -m yapf -d -r torch_xla_patches test tools setup.py
+
+# pytorch/xla's test/dynamo without and with the patch, side by side.
+# UPSTREAM_TESTS_ARGS: e.g. --rendered, --automatic-dynamic off, --files X.py
+upstream-tests: $(STAMP)
+	@test -n "$(XLA_SRC)" || { echo 'usage: make upstream-tests XLA_SRC=/path/to/pytorch-xla-checkout'; exit 2; }
+	$(PY) tools/run_upstream_tests.py --xla-src $(XLA_SRC) $(UPSTREAM_TESTS_ARGS)
 
 clean:
 	rm -rf build *.egg-info .hypothesis
