@@ -13,7 +13,7 @@ setup: $(STAMP)
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
-	$(PY) -m pip install --upgrade-strategy only-if-needed -e '.[test]'
+	$(PY) -m pip install --upgrade-strategy only-if-needed -e '.[test,tools]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,5 +11,7 @@ setup(
     install_requires=['torch==2.9.0', 'torch_xla==2.9.0'],
     extras_require={
         'test': ['pytest', 'expecttest', 'hypothesis', 'yapf==0.40.2'],
+        # Benchmark charts (tools/bench_warmup.py).
+        'tools': ['matplotlib'],
     },
 )
