@@ -400,6 +400,21 @@ def _group(binding: Binding) -> str:
   return top if top in ('torch', 'torch_xla') else 'other'
 
 
+def _module_of(stmt: Stmt) -> str:
+  node = stmt.node
+  return node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+
+
+def _common_prefix(a: str, b: str) -> int:
+  """Number of leading dotted components `a` and `b` share."""
+  count = 0
+  for x, y in zip(a.split('.'), b.split('.')):
+    if x != y:
+      break
+    count += 1
+  return count
+
+
 def _import_text(binding: Binding) -> str:
   if binding.key[0] == 'module':
     module = binding.key[1]
@@ -812,7 +827,7 @@ class BridgeRenderer:
     previous = None
     for stmt in order:
       if previous is None:
-        blank = 2
+        blank = 2 if stmt.is_def else max(1, min(stmt.blank_before, 2))
       elif stmt.is_def or previous.is_def:
         blank = 2
       else:
@@ -882,19 +897,26 @@ class BridgeRenderer:
         entries[index] = (stmt, self._rewrite(stmt,
                                               current + added), True, group)
         continue
+      # After the import of the same group with the longest common module
+      # prefix (the last one on ties).
       group = _group(b)
-      index = max((i for i, e in enumerate(entries)
-                   if e[1] is not None and e[3] == group),
-                  default=None)
+      same_group = [(_common_prefix(b.key[1], _module_of(e[0])), i)
+                    for i, e in enumerate(entries)
+                    if e[1] is not None and e[3] == group]
+      index = max(same_group)[1] if same_group else None
       if index is None:
         index = max((i for i, e in enumerate(entries) if e[1] is not None),
                     default=len(entries) - 1)
       extra.setdefault(index, []).append(_import_text(b))
+    carried = 0  # blank lines above dropped imports
     for index, (stmt, text, mine, _) in enumerate(entries):
       if text is None:
+        carried = max(carried, stmt.blank_before)
         continue
-      if stmt.blank_before and pieces:
-        pieces.append(('\n' * stmt.blank_before, False))
+      blank = max(stmt.blank_before, carried)
+      carried = 0
+      if blank and pieces:
+        pieces.append(('\n' * blank, False))
       pieces.append((text + '\n', mine))
       if index in extra:
         pieces.append(('\n'.join(extra[index]) + '\n', True))
