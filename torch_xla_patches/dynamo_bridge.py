@@ -90,10 +90,6 @@ class GraphInputMatcher:
         if position is None)
     self._seed_device = seed_device
 
-  @property
-  def num_constants(self) -> int:
-    return sum(1 for _, value in self._fixed_slots if value is not self.SEED)
-
   def _next_seed(self) -> torch.Tensor:
     seed = torch_xla._XLAC._get_base_seed_as_tensor(self._seed_device)
     # Advance the runtime seed the way torch_xla.sync() does, so random ops
@@ -136,8 +132,7 @@ class OutputPlan:
                        _tuple_getter(self.returned_args))
     object.__setattr__(self, '_source_getter', _tuple_getter(self.sources))
 
-  def assemble(self, results: List[torch.Tensor],
-               args: Sequence[Any]) -> Any:
+  def assemble(self, results: List[torch.Tensor], args: Sequence[Any]) -> Any:
     for arg_position, result_index in self.inplace_updates:
       args[arg_position].copy_(results[result_index])
     if self._identity:
@@ -202,29 +197,18 @@ def _flatten_outputs(out: Any) -> List[Any]:
   return [out]
 
 
-def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                         layout: ArgLayout) -> CompiledGraphEntry:
-  """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
-  # Don't reset the scope as we might be under some profiler trace scope.
-  torch_xla.sync(reset_scope=False)
-  tensor_positions = layout.tensor_positions
-  tensor_args = [args[i] for i in tensor_positions]
-  tensor_id_to_position = {
-      torch_xla._XLAC._xla_get_tensor_id(args[i]): i for i in tensor_positions
-  }
-  if dynamo_debug:
-    print(f'Graph Module:\n{xla_model.code}')
-  restore = _PendingRestore(tensor_args)
+def _plan_outputs(args: Sequence[Any], tensor_positions: Tuple[int, ...],
+                  outputs: List[Any]) -> Tuple[List[torch.Tensor], OutputPlan]:
+  """The tensors the XLA graph computes, and how its results map back.
 
-  outputs = _flatten_outputs(xla_model(*args))
-
-  # [Note: Graph outputs]
-  # The XLA graph computes the in-place-updated arguments first, then the
-  # tensor outputs. `_run_cached_graph` returns one result per distinct
-  # (by IR/data identity) tensor among them that has pending IR; device-data
-  # tensors (an unchanged argument, a constant) are not results.
+  [Note: Graph outputs]
+  The XLA graph computes the in-place-updated arguments first, then the
+  tensor outputs. `_run_cached_graph` returns one result per distinct (by
+  IR/data identity) tensor among them that has pending IR; device-data
+  tensors (an unchanged argument, a constant) are not results.
+  """
   updated_flags = torch_xla._XLAC._check_tensor_need_materialization(
-      tensor_args)
+      [args[i] for i in tensor_positions])
   updated_positions = [
       pos for pos, flag in zip(tensor_positions, updated_flags) if flag
   ]
@@ -235,91 +219,111 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   result_index_of_data: Dict[int, int] = {}
   for tensor, computed in zip(graph_tensors, computed_flags):
     if computed:
-      result_index_of_data.setdefault(_data_id(tensor), len(result_index_of_data))
-  num_results = len(result_index_of_data)
+      result_index_of_data.setdefault(_data_id(tensor),
+                                      len(result_index_of_data))
   position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
   position_of_arg_object = {id(args[i]): i for i in tensor_positions}
 
-  inplace_updates = tuple(
-      (pos, result_index_of_data[_data_id(args[pos])])
-      for pos in updated_positions)
   returned_args: List[int] = []
   constants: List[Any] = []
-  sources: List[int] = []
-  deferred: List[Tuple[int, str, Any]] = []  # (output index, kind, value)
-  for out in outputs:
+  kinds: List[Tuple[str, int]] = []  # ('result' | 'arg' | 'const', index)
+  for index, out in enumerate(outputs):
     if isinstance(out, torch.Tensor):
       data_id = _data_id(out)
       if data_id in result_index_of_data:
-        sources.append(result_index_of_data[data_id])
+        kinds.append(('result', result_index_of_data[data_id]))
         continue
       position = position_of_arg_object.get(id(out),
                                             position_of_arg_data.get(data_id))
       if position is not None:
-        deferred.append((len(sources), 'arg', position))
-      else:
-        deferred.append((len(sources), 'const', out))
-    elif out is None or isinstance(out, Number):
-      deferred.append((len(sources), 'const', out))
-    else:
+        kinds.append(('arg', len(returned_args)))
+        returned_args.append(position)
+        continue
+    elif out is not None and not isinstance(out, Number):
       raise UnsupportedGraphInput(
-          f'graph output {len(sources)} has type {type(out).__name__}; the '
-          'XLA dynamo bridge returns tensors, numbers and None only.')
-    sources.append(-1)
-  for output_index, kind, value in deferred:
-    if kind == 'arg':
-      sources[output_index] = num_results + len(returned_args)
-      returned_args.append(value)
-  for output_index, kind, value in deferred:
-    if kind == 'const':
-      sources[output_index] = num_results + len(returned_args) + len(constants)
-      constants.append(value)
-  output_plan = OutputPlan(
-      num_results=num_results,
-      inplace_updates=inplace_updates,
-      returned_args=tuple(returned_args),
-      constants=tuple(constants),
-      sources=tuple(sources))
+          f'graph output {index} has type {type(out).__name__}; the XLA '
+          'dynamo bridge returns tensors, numbers and None only.')
+    kinds.append(('const', len(constants)))
+    constants.append(out)
+  num_results = len(result_index_of_data)
+  offsets = {
+      'result': 0,
+      'arg': num_results,
+      'const': num_results + len(returned_args)
+  }
+  plan = OutputPlan(num_results=num_results,
+                    inplace_updates=tuple(
+                        (pos, result_index_of_data[_data_id(args[pos])])
+                        for pos in updated_positions),
+                    returned_args=tuple(returned_args),
+                    constants=tuple(constants),
+                    sources=tuple(offsets[kind] + i for kind, i in kinds))
+  return graph_tensors, plan
 
+
+def _match_graph_inputs(graph_tensors: List[torch.Tensor], args: Sequence[Any],
+                        tensor_id_to_position: Dict[int, int],
+                        tensor_positions: Tuple[int, ...]) -> GraphInputMatcher:
+  """Finds where each device-data input of the XLA graph comes from."""
+  # Wait for the sync before tracing to finish before reading device data.
+  xm.wait_device_ops()
+  input_ids, input_values = torch_xla._XLAC._get_tensors_xla_device_data_node(
+      graph_tensors)
+  seed_id = torch_xla._XLAC._get_seed_info_id()
+  position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
+  arg_positions: List[Optional[int]] = []
+  constants: List[Any] = []
+  seed_device = None
+  for tensor_id, value in zip(input_ids, input_values):
+    position = tensor_id_to_position.get(tensor_id)
+    if position is None and tensor_id != seed_id:
+      # A tensor sharing its data with an argument (an alias made before
+      # the call) is still that argument, not a constant.
+      position = position_of_arg_data.get(_data_id(value))
+    arg_positions.append(position)
+    if position is not None:
+      constants.append(None)
+    elif tensor_id == seed_id:
+      constants.append(GraphInputMatcher.SEED)
+      seed_device = str(value.device)
+    else:
+      constants.append(value)
+  return GraphInputMatcher(arg_positions, constants, seed_device)
+
+
+def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                         layout: ArgLayout) -> CompiledGraphEntry:
+  """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
+  # Don't reset the scope as we might be under some profiler trace scope.
+  torch_xla.sync(reset_scope=False)
+  tensor_positions = layout.tensor_positions
+  tensor_id_to_position = {
+      torch_xla._XLAC._xla_get_tensor_id(args[i]): i for i in tensor_positions
+  }
+  if dynamo_debug:
+    print(f'Graph Module:\n{xla_model.code}')
+  restore = _PendingRestore([args[i] for i in tensor_positions])
+
+  outputs = _flatten_outputs(xla_model(*args))
+  graph_tensors, output_plan = _plan_outputs(args, tensor_positions, outputs)
   graph_hash = b''
   matcher = GraphInputMatcher((), ())
-  if num_results:
-    # Wait for the sync above before reading device-data nodes.
-    xm.wait_device_ops()
-    input_ids, input_values = torch_xla._XLAC._get_tensors_xla_device_data_node(
-        graph_tensors)
-    seed_id = torch_xla._XLAC._get_seed_info_id()
-    arg_positions: List[Optional[int]] = []
-    input_constants: List[Any] = []
-    seed_device = None
-    for tensor_id, value in zip(input_ids, input_values):
-      position = tensor_id_to_position.get(tensor_id)
-      if position is None and tensor_id != seed_id:
-        # A tensor sharing its data with an argument (an alias made before
-        # the call) is still that argument, not a constant.
-        position = position_of_arg_data.get(_data_id(value))
-      arg_positions.append(position)
-      if position is not None:
-        input_constants.append(None)
-      elif tensor_id == seed_id:
-        input_constants.append(GraphInputMatcher.SEED)
-        seed_device = str(value.device)
-      else:
-        input_constants.append(value)
-    matcher = GraphInputMatcher(arg_positions, input_constants, seed_device)
+  if output_plan.num_results:
+    matcher = _match_graph_inputs(graph_tensors, args, tensor_id_to_position,
+                                  tensor_positions)
     if dynamo_debug:
-      print(f'Number of HLO inputs: {len(input_ids)}, outputs: {num_results}')
+      print(f'Number of HLO inputs: {len(matcher.arg_positions)}, outputs: '
+            f'{output_plan.num_results}')
       print(torch_xla._XLAC._get_xla_tensors_text(graph_tensors))
     with alias_with_buffer_donor_config():
       graph_hash = torch_xla._XLAC._get_graph_hash(graph_tensors)
       torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
 
   restore.restore()
-  return CompiledGraphEntry(
-      graph_hash=graph_hash,
-      graph_input_matcher=matcher,
-      output_plan=output_plan,
-      signature=layout.signature_of(args))
+  return CompiledGraphEntry(graph_hash=graph_hash,
+                            graph_input_matcher=matcher,
+                            output_plan=output_plan,
+                            signature=layout.signature_of(args))
 
 
 class _GraphPersistence:
@@ -331,22 +335,23 @@ class _GraphPersistence:
     self.layout = layout
 
   @classmethod
-  def create(cls, xla_model, layout: ArgLayout) -> Optional['_GraphPersistence']:
+  def create(cls, xla_model,
+             layout: ArgLayout) -> Optional['_GraphPersistence']:
     if not config.cache_dir or layout.spmd:
       # Shardings cannot be rebuilt from a record, so SPMD graphs are not
       # persisted.
       return None
     from torch_xla_patches import fingerprint, persistent
-    return cls(
-        persistent.SignatureIndex(config.cache_dir),
-        fingerprint.graph_fingerprint(xla_model, layout), layout)
+    return cls(persistent.SignatureIndex(config.cache_dir),
+               fingerprint.graph_fingerprint(xla_model, layout), layout)
 
   def recorded_specs(self) -> List[Tuple[Any, ...]]:
     specs = self.index.load(self.fingerprint, self.layout)
     if not specs and config.explain_cache:
-      print(f'[torch_xla_patches] no recorded signatures for graph '
-            f'{self.fingerprint.key}: {self.index.explain_miss(self.fingerprint)}',
-            flush=True)
+      print(
+          f'[torch_xla_patches] no recorded signatures for graph '
+          f'{self.fingerprint.key}: {self.index.explain_miss(self.fingerprint)}',
+          flush=True)
     return specs
 
   def record(self, args: Sequence[Any]) -> None:
@@ -401,7 +406,8 @@ class SignatureCache:
         warnings.warn(
             f'torch_xla_patches: graph {self.graph_id} has more than {cap} '
             'shape signatures; dropping the least recently used ones. Raise '
-            'XLA_PATCHES_MAX_SIGNATURES (0: no cap) or pad shapes into buckets.')
+            'XLA_PATCHES_MAX_SIGNATURES (0: no cap) or pad shapes into buckets.'
+        )
     return entry
 
   def on_miss(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
@@ -463,8 +469,10 @@ def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
   if any(flags):
     pending = [t for t, flag in zip(tensors, flags) if flag]
     _increment_counter('DynamoSyncInputExecuteTime', 1)
-    torch_xla._XLAC._xla_sync_multi(
-        pending, devices=[], wait=True, sync_xla_data=True)
+    torch_xla._XLAC._xla_sync_multi(pending,
+                                    devices=[],
+                                    wait=True,
+                                    sync_xla_data=True)
 
 
 def extract_internal(xla_model: torch.fx.GraphModule):
@@ -639,11 +647,13 @@ def partition_fx_graph_for_cpu_fallback(
   class XlaOperatorSupport(OperatorSupport):
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
-      return node.op in ('call_function', 'call_module', 'call_method') and (
-          node not in unsupported or node.target == operator.getitem)
+      return node.op in ('call_function', 'call_module',
+                         'call_method') and (node not in unsupported or
+                                             node.target == operator.getitem)
 
-  partitioner = CapabilityBasedPartitioner(
-      xla_model, XlaOperatorSupport(), allows_single_node_partition=True)
+  partitioner = CapabilityBasedPartitioner(xla_model,
+                                           XlaOperatorSupport(),
+                                           allows_single_node_partition=True)
   partitions = partitioner.propose_partitions()
   # propose_partitions() does not guarantee topological order.
   for partition in partitions:

@@ -49,7 +49,8 @@ def _dtype_from_name(name: str) -> torch.dtype:
   return dtype
 
 
-def input_specs(layout: ArgLayout, args: Sequence[Any]) -> Tuple[InputSpec, ...]:
+def input_specs(layout: ArgLayout,
+                args: Sequence[Any]) -> Tuple[InputSpec, ...]:
   """What must be recorded to rebuild `args` for a later trace."""
   specs: List[InputSpec] = []
   for kind, arg in zip(layout.kinds, args):

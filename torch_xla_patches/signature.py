@@ -85,8 +85,8 @@ def _classify(index: int, arg: Any, fake: Any) -> ArgKind:
     return ArgKind.TENSOR
   check_scalar_input(index, arg)
   if isinstance(arg, Number):
-    if isinstance(arg, int) and not isinstance(arg, bool) and (
-        fake is None or isinstance(fake, torch.SymInt)):
+    if isinstance(arg, int) and not isinstance(
+        arg, bool) and (fake is None or isinstance(fake, torch.SymInt)):
       return ArgKind.SHAPE
     return ArgKind.SCALAR
   raise AssertionError('unreachable: check_scalar_input accepted it')
@@ -149,7 +149,8 @@ class ArgLayout:
                  spmd: bool = False) -> 'ArgLayout':
     fakes = _placeholder_values(xla_model, len(args))
     kinds = tuple(
-        _classify(i, arg, fake) for i, (arg, fake) in enumerate(zip(args, fakes)))
+        _classify(i, arg, fake)
+        for i, (arg, fake) in enumerate(zip(args, fakes)))
     return cls(kinds=kinds, spmd=spmd)
 
   def positions(self, *kinds: ArgKind) -> Tuple[int, ...]:
@@ -213,7 +214,8 @@ class ArgLayout:
         shardings=shardings)
 
 
-def _tuple_getter(positions: Tuple[int, ...]) -> Callable[[Sequence[Any]], tuple]:
+def _tuple_getter(
+    positions: Tuple[int, ...]) -> Callable[[Sequence[Any]], tuple]:
   """Like operator.itemgetter, but always returns a tuple."""
   if not positions:
     return lambda args: ()

@@ -129,11 +129,11 @@ def precompile(compiled_fn: Callable,
     torch_xla.sync()
     seconds = time.perf_counter() - start
     compiles_after, compile_seconds_after = _compile_stats()
-    item = PrecompiledSignature(
-        description=_describe(args),
-        seconds=seconds,
-        compile_seconds=compile_seconds_after - compile_seconds_before,
-        xla_compiles=compiles_after - compiles_before)
+    item = PrecompiledSignature(description=_describe(args),
+                                seconds=seconds,
+                                compile_seconds=compile_seconds_after -
+                                compile_seconds_before,
+                                xla_compiles=compiles_after - compiles_before)
     report.append(item)
     bar.step(item)
   return report
@@ -152,14 +152,13 @@ def precompile_backlog(cache, live_args: Sequence[Any]) -> int:
     compiled += 1
     compiles_after, seconds_after = _compile_stats()
     bar.step(
-        PrecompiledSignature(
-            description=f'graph {cache.graph_id} ' + ' '.join(
-                str(s.get('value', s.get('shape')))
-                for s in specs
-                if s is not None),
-            seconds=time.perf_counter() - start,
-            compile_seconds=seconds_after - seconds_before,
-            xla_compiles=compiles_after - compiles_before))
+        PrecompiledSignature(description=f'graph {cache.graph_id} ' + ' '.join(
+            str(s.get('value', s.get('shape')))
+            for s in specs
+            if s is not None),
+                             seconds=time.perf_counter() - start,
+                             compile_seconds=seconds_after - seconds_before,
+                             xla_compiles=compiles_after - compiles_before))
   check_persistent_executables()
   return compiled
 
