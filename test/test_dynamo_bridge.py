@@ -11,17 +11,11 @@ import torch_xla.debug.metrics as met
 
 import torch_xla_patches
 from torch_xla_patches import config, dynamo_bridge
-from bridge_testing import FrameCounter, counters, fresh, xla
+from bridge_testing import FrameCounter, counters, xla
 
 DEVICE = torch_xla.device()
 
-
-@pytest.fixture(autouse=True)
-def patched_bridge():
-  torch_xla_patches.apply()
-  fresh()
-  yield
-  torch_xla_patches.revert()
+pytestmark = pytest.mark.usefixtures('patched_bridge')
 
 
 def compile_dynamic(fn, **kwargs):
@@ -245,10 +239,9 @@ def test_signature_cap_drops_least_recently_used(monkeypatch):
   cap_warnings = [w for w in caught if 'shape signatures' in str(w.message)]
   assert len(cap_warnings) == 1
   assert counters()['DynamoSignatureDropped'] == 2
-  (cache,) = [c for c in dynamo_bridge.live_signature_caches()
-              if c.entries][-1:]
-  assert [dict(s.shape_values) for s in cache.signatures()
-         ] == [{0: 4}, {0: 5}]
+  (cache,) = [c for c in dynamo_bridge.live_signature_caches() if c.entries
+             ][-1:]
+  assert [dict(s.shape_values) for s in cache.signatures()] == [{0: 4}, {0: 5}]
   # A dropped signature is traced again, not an error.
   compiled(xla(torch.randn(2)))
   assert counters()['DynamoSignatureMiss'] == 5

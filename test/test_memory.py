@@ -65,9 +65,8 @@ def test_rss_growth_per_signature_is_below_2_mib():
   assert growth < 2.0
 
 
-@pytest.mark.skipif(
-    os.environ.get('XLA_PATCHES_COMPARE_UPSTREAM') != '1',
-    reason='comparison run; set XLA_PATCHES_COMPARE_UPSTREAM=1')
+@pytest.mark.skipif(os.environ.get('XLA_PATCHES_COMPARE_UPSTREAM') != '1',
+                    reason='comparison run; set XLA_PATCHES_COMPARE_UPSTREAM=1')
 def test_upstream_for_comparison():
   growth = growth_per_signature('pass')
   print(f'upstream: {growth:.2f} MiB per signature')

@@ -32,8 +32,8 @@ def test_apply_replaces_both_bridge_modules():
 def test_apply_twice_then_revert_restores_the_true_original():
   torch_xla_patches.apply()
   torch_xla_patches.apply()
-  assert torch_xla_patches.original(upstream_bridge,
-                                    'extract_compiled_graph') is UPSTREAM_EXTRACT
+  assert torch_xla_patches.original(
+      upstream_bridge, 'extract_compiled_graph') is UPSTREAM_EXTRACT
   torch_xla_patches.revert()
   torch_xla_patches.revert()
   assert not torch_xla_patches.is_applied()

@@ -36,12 +36,16 @@ for n in [int(s) for s in sys.argv[2].split(',')]:
 
 
 def serve(cache_dir, sizes, env=None):
-  proc = run_python(SERVE_SCRIPT.replace('sys.argv[1]', repr(str(cache_dir))
-                                        ).replace('sys.argv[2]', repr(sizes)),
+  proc = run_python(SERVE_SCRIPT.replace('sys.argv[1]',
+                                         repr(str(cache_dir))).replace(
+                                             'sys.argv[2]', repr(sizes)),
                     env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = [line.split() for line in proc.stdout.splitlines()
-          if line.startswith('after')]
+  rows = [
+      line.split()
+      for line in proc.stdout.splitlines()
+      if line.startswith('after')
+  ]
   return [(int(n), int(miss), int(pre)) for _, n, miss, pre in rows], proc
 
 
@@ -86,7 +90,8 @@ def test_unloadable_persisted_executables_are_reported_once(tmp_path):
 
 def test_interleaved_mode_compiles_one_known_signature_per_call(tmp_path):
   serve(tmp_path, '3,4,5')
-  rows, _ = serve(tmp_path, '9,9,9,4',
+  rows, _ = serve(tmp_path,
+                  '9,9,9,4',
                   env={'XLA_PATCHES_PRECOMPILE': 'interleaved'})
   assert [r[2] for r in rows] == [1, 2, 3, 3]
   assert [r[1] for r in rows] == [1, 1, 1, 1]
@@ -184,8 +189,8 @@ def test_record_is_a_set_union(tmp_path):
 
 def test_explain_miss_names_differing_parts(tmp_path):
   index = recorded(tmp_path)
-  assert index.explain_miss(make_fingerprint('new code')).endswith(
-      'differs in: graph_code')
+  assert index.explain_miss(
+      make_fingerprint('new code')).endswith('differs in: graph_code')
 
 
 def test_rebuild_args_uses_live_parameters_and_recorded_sizes():

@@ -57,9 +57,9 @@ FAMILIES = {
     'matmul':
         Family(matmul, lambda s: (torch.randn(s), torch.randn(s[-1], 3))),
     'inplace_accumulate':
-        Family(inplace_accumulate, lambda s:
-               (torch.randn(s), torch.randn(s[1:]) if len(s) > 1 else
-                torch.randn(()))),
+        Family(
+            inplace_accumulate, lambda s: (torch.randn(s), torch.randn(s[1:])
+                                           if len(s) > 1 else torch.randn(()))),
     'symint_outputs':
         Family(symint_outputs, lambda s: (torch.randn(s),)),
     # logcumsumexp runs on the CPU; the graph is split around it, and here
@@ -120,11 +120,11 @@ def compile_count() -> int:
       met.metric_names()) else 0
 
 
-shapes_by_rank = st.integers(min_value=1, max_value=3).flatmap(
-    lambda rank: st.lists(
-        st.tuples(*[st.integers(min_value=2, max_value=64)] * rank),
-        min_size=1,
-        max_size=4))
+shapes_by_rank = st.integers(
+    min_value=1, max_value=3).flatmap(lambda rank: st.lists(st.tuples(
+        *[st.integers(min_value=2, max_value=64)] * rank),
+                                                            min_size=1,
+                                                            max_size=4))
 
 
 @pytest.mark.parametrize('name', sorted(FAMILIES))

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch_xla
 
-import torch_xla_patches
-from bridge_testing import FrameCounter, counters, fresh, xla
+from bridge_testing import FrameCounter, counters, xla
 
 
 class Classifier(torch.nn.Module):
@@ -25,12 +24,7 @@ class Classifier(torch.nn.Module):
     return self.head(h)
 
 
-@pytest.fixture(autouse=True)
-def patched_bridge():
-  torch_xla_patches.apply()
-  fresh()
-  yield
-  torch_xla_patches.revert()
+pytestmark = pytest.mark.usefixtures('patched_bridge')
 
 
 def test_dynamic_batch_training_matches_eager():
@@ -54,8 +48,11 @@ def test_dynamic_batch_training_matches_eager():
     torch.testing.assert_close(loss_xla.cpu(), loss.detach())
     for (name, p), p_xla in zip(model.named_parameters(),
                                 model_xla.parameters()):
-      torch.testing.assert_close(
-          p_xla.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5, msg=name)
+      torch.testing.assert_close(p_xla.grad.cpu(),
+                                 p.grad,
+                                 rtol=1e-4,
+                                 atol=1e-5,
+                                 msg=name)
     opt.step()
     opt_xla.step()
     torch_xla.sync()

@@ -10,15 +10,9 @@ import torch_xla.debug.metrics as met
 
 import torch_xla_patches
 from torch_xla_patches import TensorSpec, warmup
-from bridge_testing import FrameCounter, counters, fresh, xla
+from bridge_testing import FrameCounter, counters, xla
 
-
-@pytest.fixture(autouse=True)
-def patched_bridge():
-  torch_xla_patches.apply()
-  fresh()
-  yield
-  torch_xla_patches.revert()
+pytestmark = pytest.mark.usefixtures('patched_bridge')
 
 
 def embed_sum(tokens, table):
@@ -54,8 +48,9 @@ def test_precompile_then_serve_without_compiling():
 
 def test_precompile_accepts_tensors_and_numbers():
   compiled = torch.compile(lambda x, k: x * k, backend='openxla', dynamic=True)
-  report = torch_xla_patches.precompile(
-      compiled, [(torch.ones(3), 2.0), (torch.ones(4), 2.0)], progress=False)
+  report = torch_xla_patches.precompile(compiled, [(torch.ones(3), 2.0),
+                                                   (torch.ones(4), 2.0)],
+                                        progress=False)
   assert len(report) == 2
   assert report[0].description == '(3,):float32 2.0'
 

@@ -162,7 +162,8 @@ def main(argv=None):
       ('patched, per torch.compile call', patched),
       ('upstream bridge only (no dynamo wrapper)',
        median['upstream bridge only']),
-      ('patched bridge only (no dynamo wrapper)', median['patched bridge only']),
+      ('patched bridge only (no dynamo wrapper)',
+       median['patched bridge only']),
       ('floor: _run_cached_graph with prepared inputs', floor),
   ]
   print(f'\nPer-call host time, {args.depth} Linear layers '
@@ -176,7 +177,12 @@ def main(argv=None):
   print(f'| patched / upstream | {patched / upstream:.2f} |')
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump({'median_us': median, 'floor_us': floor, 'ratio': ratio}, f,
+      json.dump({
+          'median_us': median,
+          'floor_us': floor,
+          'ratio': ratio
+      },
+                f,
                 indent=2)
   return 0
 

@@ -46,8 +46,7 @@ def cmd_list(cache_dir) -> int:
     if error:
       print(f'{name}: UNUSABLE ({error})')
       continue
-    updated = time.strftime('%Y-%m-%d %H:%M:%S',
-                            time.localtime(entry.updated))
+    updated = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.updated))
     print(f'{name}: {len(entry.signatures)} signatures, torch_xla '
           f'{entry.parts.get("torch_xla_version", "?")} on '
           f'{entry.parts.get("device_kind", "?")}, updated {updated}')
