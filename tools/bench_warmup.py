@@ -9,6 +9,10 @@ Each mode runs in a fresh process, one after another in this run:
   patched-cold       torch_xla_patches.apply(), dynamic=True, empty index
   patched-precompile patched, torch_xla_patches.precompile(grid) then serve
   patched-index      patched, fresh process whose index the cold run filled
+  patched-artifact   patched, fresh process that loads a saved artifact
+                     (torch_xla_patches.save after a separate process served
+                     the grid): no dynamo trace; first result, then the
+                     recorded signatures precompiled, then the grid served
 
 For each: wall seconds to serve the grid once (after model set-up), time to
 the first result, dynamo frame compiles, lazy traces, XLA compiles and seconds
@@ -31,7 +35,9 @@ FULL_GRID = [(b, s) for b in (1, 2, 4, 8, 16) for s in (16, 32, 64, 128, 256, 51
 DEMO_GRID = [(b, s) for b in (1, 2, 4, 8) for s in (16, 32, 64)]
 
 MODES = ('upstream-static', 'upstream-dynamic', 'patched-cold',
-         'patched-precompile', 'patched-index')
+         'patched-precompile', 'patched-index', 'patched-artifact')
+# Set in the child process that saves the patched-artifact mode's artifact.
+_SAVE_ARTIFACT_ENV = 'XLA_PATCHES_BENCH_SAVE_ARTIFACT'
 
 
 def build_model(norm: str, layers: int, width: int, vocab: int = 256):
@@ -93,10 +99,131 @@ def build_model(norm: str, layers: int, width: int, vocab: int = 256):
   return DecoderLM()
 
 
+def _hoist_local_classes(model) -> None:
+  """torch 2.9's aot_compile cannot save a type guard on a class defined in
+  a function ("defined in local scope"), and build_model's are. Name them at
+  this module's top level so the guard pickles them by reference; the saving
+  and the loading process both run this file and do the same."""
+  module = sys.modules[__name__]
+  for cls in {type(m) for m in model.modules()}:
+    if '<locals>' in cls.__qualname__:
+      cls.__qualname__ = cls.__name__
+      setattr(module, cls.__name__, cls)
+
+
+def _artifact_model(grid, norm, layers, width):
+  import torch
+  import torch_xla
+  device = torch_xla.device()
+  model = build_model(norm, layers, width).to(device).eval()
+  _hoist_local_classes(model)
+  torch.manual_seed(1)
+  token_batches = [torch.randint(0, 256, (b, s)) for b, s in grid]
+  return model, token_batches, device
+
+
+def save_artifact(grid, norm, layers, width, path) -> dict:
+  """The patched-artifact mode's first step (its own process): capture
+  with aot_compile, serve the grid so every signature is recorded, save."""
+  import torch_xla_patches
+  from torch_xla_patches import serialization
+  torch_xla_patches.apply()
+  model, token_batches, device = _artifact_model(grid, norm, layers, width)
+  start = time.perf_counter()
+  # A size of 1 would be captured as a constant: capture with sizes >= 2.
+  example = next(t for t in token_batches if min(t.shape) > 1)
+  compiled = serialization.aot_compile(model, (example.to(device),))
+  for tokens in token_batches:
+    compiled(tokens.to(device)).cpu()
+  torch_xla_patches.save(compiled, path)
+  return {'saved': path, 'save_s': time.perf_counter() - start}
+
+
+def run_artifact_mode(grid, norm, layers, width, cache_dir) -> dict:
+  """patched-artifact: load the artifact in this fresh process and serve."""
+  path = os.path.join(cache_dir, f'decoder_{norm}.xla_aot')
+  save_report = {}
+  if not os.path.exists(path):
+    env = dict(os.environ, **{_SAVE_ARTIFACT_ENV: path})
+    env['PYTHONPATH'] = os.pathsep.join([REPO_ROOT, env.get('PYTHONPATH', '')])
+    command = [
+        sys.executable,
+        os.path.abspath(__file__), '--run-mode=patched-artifact',
+        f'--norm={norm}', f'--layers={layers}', f'--width={width}',
+        f'--cache-dir={cache_dir}'
+    ] + (['--demo'] if grid == DEMO_GRID else [])
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith('{')]
+    if proc.returncode != 0 or not lines:
+      raise RuntimeError('saving the artifact failed: ' + proc.stderr[-500:])
+    save_report = json.loads(lines[-1])
+  import torch
+  import torch_xla
+  import torch_xla.debug.metrics as met
+  import torch_xla_patches
+  from torch._dynamo.utils import counters
+  from torch_xla_patches import dynamo_bridge as patched_bridge
+  # 'off': the first request is served first; the rest are compiled by
+  # precompile_pending() right after, and timed on their own.
+  torch_xla_patches.apply(precompile_mode='off')
+  traces = [0]
+  original_helper = patched_bridge.extract_graph_helper
+
+  def counting_helper(*args, **kwargs):
+    traces[0] += 1
+    return original_helper(*args, **kwargs)
+
+  patched_bridge.extract_graph_helper = counting_helper
+  model, token_batches, device = _artifact_model(grid, norm, layers, width)
+  with torch.no_grad():
+    cpu_model = build_model(norm, layers, width).eval()
+    expected = [cpu_model(tokens) for tokens in token_batches]
+  device_batches = [tokens.to(device) for tokens in token_batches]
+  torch_xla.sync()
+  met.clear_all()
+  torch.set_grad_enabled(False)
+
+  start = time.perf_counter()
+  loaded = torch_xla_patches.load(path, model=model, precompile=False)
+  load_seconds = time.perf_counter() - start
+  outputs = [loaded(device_batches[0]).cpu()]
+  first_result = time.perf_counter() - start
+  loaded.precompile_pending()
+  all_ready = time.perf_counter() - start
+  for tokens in device_batches[1:]:
+    outputs.append(loaded(tokens).cpu())
+  wall = time.perf_counter() - start
+  max_diff = max(
+      float((out - ref).abs().max()) for out, ref in zip(outputs, expected))
+  compile_data = met.metric_data('CompileTime')
+  precompiled = met.counter_value('DynamoSignaturePrecompiled') or 0
+  return dict(mode='patched-artifact',
+              shapes=len(grid),
+              wall_s=wall,
+              first_result_s=first_result,
+              precompile_s=all_ready - first_result,
+              load_s=load_seconds,
+              all_ready_s=all_ready,
+              save_s=save_report.get('save_s', 0.0),
+              dynamo_frames=counters['stats']['unique_graphs'],
+              dynamo_frames_seen=sum(counters['frames'].values()),
+              lazy_traces=traces[0],
+              xla_compiles=compile_data[0] if compile_data else 0,
+              xla_compile_s=compile_data[1] / 1e9 if compile_data else 0.0,
+              served_misses=met.counter_value('DynamoSignatureMiss') or 0,
+              precompiled_from_index=precompiled,
+              max_abs_diff_vs_eager=max_diff)
+
+
 def run_mode(mode: str, grid, norm: str, layers: int, width: int,
              cache_dir: str) -> dict:
   """Runs one mode in this process; returns its measurements."""
   os.environ.setdefault('PJRT_DEVICE', 'CPU')
+  if mode == 'patched-artifact':
+    if os.environ.get(_SAVE_ARTIFACT_ENV):
+      return save_artifact(grid, norm, layers, width,
+                           os.environ[_SAVE_ARTIFACT_ENV])
+    return run_artifact_mode(grid, norm, layers, width, cache_dir)
   import torch
   import torch._dynamo
   import torch_xla

@@ -108,6 +108,8 @@ def apply(*,
       from torch_xla_patches import decompositions
       decompositions.install()
       _decompositions_installed = True
+    from torch_xla_patches import serialization
+    serialization.register_backend()
 
 
 def _initialize_executable_cache(cache_dir: str) -> None:
@@ -126,11 +128,25 @@ def precompile(compiled_fn, specs, progress: bool = True):
   return warmup.precompile(compiled_fn, specs, progress=progress)
 
 
+def save(compiled, path, example_inputs=None):
+  """See torch_xla_patches.serialization.save."""
+  from torch_xla_patches import serialization
+  return serialization.save(compiled, path, example_inputs)
+
+
+def load(path, model=None, precompile: bool = True):
+  """See torch_xla_patches.serialization.load."""
+  from torch_xla_patches import serialization
+  return serialization.load(path, model=model, precompile=precompile)
+
+
 def revert() -> None:
   """Undoes apply(). Safe to call more than once."""
   global _decompositions_installed
   with _lock:
     _registry.revert_all()
+    from torch_xla_patches import serialization
+    serialization.unregister_backend()
     if _decompositions_installed:
       from torch_xla_patches import decompositions
       decompositions.uninstall()

@@ -1,0 +1,244 @@
+"""Saved compiled models: a fresh process loads one with no dynamo frame
+compile, serves old and new shapes equal to eager, and refuses artifacts of
+other versions, other model source, or damaged files."""
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+
+from torch_xla_patches import serialization
+from bridge_testing import run_python
+
+# The model lives in a file of its own so both processes (and the source
+# digest) see the same class.
+MODEL_SOURCE = '''
+import torch
+
+
+class TinyNet(torch.nn.Module):
+
+  def __init__(self):
+    super().__init__()
+    self.proj = torch.nn.Linear(8, 16)
+    self.norm = torch.nn.LayerNorm(16)
+    self.register_buffer('offset', torch.zeros(16))
+
+  def forward(self, x):
+    return self.norm(torch.relu(self.proj(x))) * 2 + self.offset
+'''
+
+SAVE_SCRIPT = '''
+import sys
+sys.path.insert(0, {model_dir!r})
+import torch, torch_xla
+import torch_xla_patches
+from torch._dynamo.utils import counters
+from torch_xla_patches import serialization
+from tiny_model import TinyNet
+torch_xla_patches.apply()
+device = torch_xla.device()
+torch.manual_seed(0)
+model = TinyNet().to(device).eval()
+compiled = serialization.aot_compile(model, (torch.randn(3, 8).to(device),))
+for batch in (3, 5):
+  compiled(torch.randn(batch, 8).to(device)).cpu()
+torch_xla_patches.save(compiled, {path!r})
+print('frames', counters['stats']['unique_graphs'], flush=True)
+'''
+
+LOAD_SCRIPT = '''
+import sys
+sys.path.insert(0, {model_dir!r})
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla_patches
+from torch._dynamo.utils import counters
+from tiny_model import TinyNet
+torch_xla_patches.apply()
+device = torch_xla.device()
+# Other weights than the saving process: they must come from this model.
+torch.manual_seed(1)
+cpu_model = TinyNet().eval()
+with torch.no_grad():
+  cpu_model.offset.copy_(torch.randn(16))
+model = TinyNet().to(device).eval()
+model.load_state_dict(cpu_model.state_dict())
+loaded = torch_xla_patches.load({path!r}, model=model)
+print('precompiled', met.counter_value('DynamoSignaturePrecompiled') or 0)
+for batch in (5, 3, 7, 12, 1, 2):
+  x = torch.randn(batch, 8)
+  with torch.no_grad():
+    expected = cpu_model(x)
+  torch.testing.assert_close(loaded(x.to(device)).cpu(), expected,
+                             rtol=1e-4, atol=1e-4)
+print('misses', met.counter_value('DynamoSignatureMiss') or 0)
+# torch's saved guards still hold: a static size that differs is refused.
+try:
+  loaded(torch.randn(4, 9).to(device))
+except RuntimeError as e:
+  print('guard', int('GuardManager check failed' in str(e)))
+print('frames', counters['stats']['unique_graphs'],
+      sum(counters['frames'].values()), flush=True)
+'''
+
+
+def _write_model(directory, source=MODEL_SOURCE):
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, 'tiny_model.py'), 'w') as f:
+    f.write(source)
+  return str(directory)
+
+
+def _values(stdout, name):
+  for line in stdout.splitlines():
+    if line.startswith(name + ' '):
+      return [int(v) for v in line.split()[1:]]
+  raise AssertionError(f'no {name!r} line in:\n{stdout}')
+
+
+@pytest.fixture(scope='module')
+def artifact(tmp_path_factory):
+  """(model directory, artifact path) saved by a separate process."""
+  root = tmp_path_factory.mktemp('serialization')
+  model_dir = _write_model(root / 'model')
+  path = str(root / 'tiny.xla_aot')
+  proc = run_python(SAVE_SCRIPT.format(model_dir=model_dir, path=path))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # The saving process did trace the frame once: the load below must not.
+  assert _values(proc.stdout, 'frames') == [1]
+  return model_dir, path
+
+
+def test_fresh_process_loads_without_dynamo_and_matches_eager(artifact):
+  model_dir, path = artifact
+  proc = run_python(LOAD_SCRIPT.format(model_dir=model_dir, path=path))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # Two signatures were recorded (batch 3 and 5); loading warms up on the
+  # first and precompiles the other.
+  assert _values(proc.stdout, 'precompiled') == [1]
+  # Warm-up call (3) + the new batches 7, 12, 1 and 2, compiled on demand.
+  assert _values(proc.stdout, "misses") == [5]
+  assert _values(proc.stdout, 'guard') == [1]
+  # No dynamo frame was captured or compiled in the loading process.
+  assert _values(proc.stdout, 'frames') == [0, 0]
+
+
+FUNCTION_SAVE = '''
+import sys
+sys.path.insert(0, {model_dir!r})
+import torch, torch_xla
+import torch_xla_patches
+from tiny_model import scaled_tanh
+torch_xla_patches.apply()
+device = torch_xla.device()
+torch_xla_patches.save(scaled_tanh, {path!r},
+                       example_inputs=(torch.randn(4, 6).to(device), 3))
+'''
+
+FUNCTION_LOAD = '''
+import sys
+sys.path.insert(0, {model_dir!r})
+import torch, torch_xla
+import torch_xla_patches
+from torch._dynamo.utils import counters
+from tiny_model import scaled_tanh
+torch_xla_patches.apply()
+device = torch_xla.device()
+loaded = torch_xla_patches.load({path!r}, model=scaled_tanh)
+for rows, cols in ((4, 6), (9, 6), (2, 11)):
+  x = torch.randn(rows, cols)
+  torch.testing.assert_close(loaded(x.to(device), 3).cpu(),
+                             scaled_tanh(x, 3), rtol=1e-4, atol=1e-4)
+print('frames', counters['stats']['unique_graphs'], flush=True)
+'''
+
+
+def test_function_saved_from_example_inputs_round_trips(tmp_path):
+  model_dir = _write_model(
+      tmp_path / 'model', MODEL_SOURCE + textwrap.dedent('''
+
+      def scaled_tanh(x, k):
+        return torch.tanh(x) * k + x.shape[0]
+      '''))
+  path = str(tmp_path / 'fn.xla_aot')
+  for script in (FUNCTION_SAVE, FUNCTION_LOAD):
+    proc = run_python(script.format(model_dir=model_dir, path=path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  assert _values(proc.stdout, 'frames') == [0]
+
+
+def _rewrite_header(path, out_path, **changes):
+  with open(path, 'rb') as f:
+    data = f.read()
+  magic_end = data.index(b'\n') + 1
+  header_end = data.index(b'\n', magic_end)
+  header = json.loads(data[magic_end:header_end])
+  header.update(changes)
+  with open(out_path, 'wb') as f:
+    f.write(data[:magic_end] + json.dumps(header).encode() + b'\n' +
+            data[header_end + 1:])
+
+
+def test_other_versions_are_refused_naming_both(artifact, tmp_path):
+  _, path = artifact
+  stale = str(tmp_path / 'stale.xla_aot')
+  _rewrite_header(path, stale, torch_version='2.8.0', python_version='3.10.1')
+  with pytest.raises(serialization.ArtifactMismatchError) as info:
+    serialization.load(stale, model=torch.nn.Linear(2, 2))
+  message = str(info.value)
+  assert 'torch 2.8.0 (found ' + torch.__version__ + ')' in message
+  assert 'Python 3.10.1' in message
+
+
+def test_changed_model_source_is_refused(artifact, tmp_path):
+  _, path = artifact
+  changed_dir = _write_model(tmp_path / 'changed',
+                             MODEL_SOURCE.replace('* 2', '* 3'))
+  proc = run_python(
+      textwrap.dedent(f'''
+      import sys
+      sys.path.insert(0, {changed_dir!r})
+      import torch_xla_patches
+      from torch_xla_patches import serialization
+      from tiny_model import TinyNet
+      try:
+        torch_xla_patches.load({path!r}, model=TinyNet())
+      except serialization.ArtifactMismatchError as e:
+        print('refused', e)
+      '''))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.startswith('refused'), proc.stdout
+  assert 'tiny_model.TinyNet: expected ' in proc.stdout
+  # Unchanged classes are not blamed.
+  assert 'LayerNorm' not in proc.stdout
+
+
+def test_another_model_class_is_refused(artifact):
+  _, path = artifact
+  with pytest.raises(serialization.ArtifactMismatchError,
+                     match='model source differs'):
+    serialization.load(path, model=torch.nn.Linear(8, 16))
+
+
+@pytest.mark.parametrize('damage',
+                         ['truncated', 'flipped', 'not_artifact', 'bad_header'])
+def test_damaged_file_is_refused(artifact, tmp_path, damage):
+  _, path = artifact
+  with open(path, 'rb') as f:
+    data = f.read()
+  if damage == 'truncated':
+    data = data[:len(data) - 100]
+  elif damage == 'flipped':
+    data = data[:-50] + bytes([data[-50] ^ 0xFF]) + data[-49:]
+  elif damage == 'not_artifact':
+    data = b'\x80\x04hello'
+  else:
+    magic_end = data.index(b'\n') + 1
+    data = data[:magic_end] + b'{"format_version": 1, "torch_v' + b'\n'
+  broken = str(tmp_path / 'broken.xla_aot')
+  with open(broken, 'wb') as f:
+    f.write(data)
+  with pytest.raises(serialization.ArtifactCorruptError):
+    serialization.load(broken, model=torch.nn.Linear(8, 16))
