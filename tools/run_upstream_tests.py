@@ -16,11 +16,14 @@ on PYTHONPATH, once per column:
   rendered          (--rendered) the files tools/make_upstream_patch.py
                     renders, loaded in place of torch_xla's bridge and config
 
-then prints a table with one row per file, and the regressions (files that
-pass upstream and fail in another column; exit status 1 for them only with
---strict, since one is known, see below). A cell reads `ok 12` (12 tests
-ran, all passed), `FAIL f1 e8 /20` (failures, errors, of tests run) or the
-exit status when no unittest summary was printed. Logs go to --logs.
+then prints a table with one row per file, and the regressions (a file that
+passes upstream and fails in another column, or has more failing tests
+there; exit status 1 for them only with --strict, since one is known, see
+below). A cell reads `ok 12` (12 tests
+ran, all passed; `s1`: 1 skipped), `FAIL f1 e8 /20` (failures, errors, of
+tests run), or, when no unittest summary was printed, `ok, no summary` or the
+exit status. test_dynamo_graph_dump.py gets a fresh XLA_SAVE_TENSORS_FILE,
+as upstream's run_tests.sh gives it. Logs go to --logs.
 
 Known differences, on torch_xla 2.9.0 and the CPU device:
   * test_dynamo_dynamic_shape.py test_dynamic_shape_mix_with_non_dynamic
@@ -56,6 +59,10 @@ sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
 
 import upstream_mode  # noqa: E402  (test/upstream_mode.py)
 
+# Files upstream's test/run_tests.sh runs with extra settings.
+# test_dynamo_graph_dump.py: run_save_tensor_ir, a fresh IR dump file.
+SAVE_TENSORS_FILES = ('test_dynamo_graph_dump.py',)
+
 _RAN = re.compile(r'^Ran (\d+) tests? in', re.MULTILINE)
 _FAILED = re.compile(r'^FAILED \(([^)]*)\)', re.MULTILINE)
 _OK = re.compile(r'^OK\b', re.MULTILINE)
@@ -87,7 +94,7 @@ class Outcome:
     if self.returncode is None:
       return 'TIMEOUT'
     if self.ran is None:
-      return f'exit {self.returncode}'
+      return 'ok, no summary' if self.passed else f'exit {self.returncode}'
     if self.passed and not (self.failures or self.errors):
       return f'ok {self.ran}' + (f' s{self.skipped}' if self.skipped else '')
     return f'FAIL f{self.failures} e{self.errors} /{self.ran}'
@@ -122,6 +129,10 @@ def run_file(xla_src: str, test_file: str, column: Column, hook_dir: str,
       [os.path.join(xla_src, 'examples'), test_dir] +
       [p for p in base.get('PYTHONPATH', '').split(os.pathsep) if p])
   base.update(column.env)
+  if test_file in SAVE_TENSORS_FILES:
+    dump_dir = tempfile.mkdtemp(prefix='xla-save-ir-')
+    base['XLA_SAVE_TENSORS_FILE'] = os.path.join(dump_dir, 'save_ir.txt')
+    base['XLA_SAVE_TENSORS_FMT'] = 'text'
   env = upstream_mode.subprocess_env(column.mode, hook_dir, rendered_dir, base)
   start = time.monotonic()
   try:
@@ -303,14 +314,21 @@ def main(argv=None) -> int:
           },
           f,
           indent=2)
-  # A regression: a file that passes without the patch fails with it.
+  # A regression: a file that passes without the patch fails with it, or
+  # has more failing tests.
   baseline = results['upstream']
-  regressions = [(c.title, f)
-                 for c in columns[1:]
-                 for f in files
-                 if baseline[f].passed and not results[c.title][f].passed]
-  for title, f in regressions:
-    print(f'regression: {f} passes upstream, not in "{title}"')
+  regressions = []
+  for c in columns[1:]:
+    for f in files:
+      before, after = baseline[f], results[c.title][f]
+      if before.passed and not after.passed:
+        regressions.append(f'{f} passes upstream, not in "{c.title}"')
+      elif (after.failures + after.errors > before.failures + before.errors):
+        regressions.append(
+            f'{f} has {after.failures + after.errors} failing tests in '
+            f'"{c.title}", {before.failures + before.errors} upstream')
+  for regression in regressions:
+    print(f'regression: {regression}')
   return 1 if regressions and args.strict else 0
 
 
