@@ -27,8 +27,13 @@ Limits, on purpose:
   * No XLA executable is saved: torch_xla 2.9 cannot load serialized
     executables (see config.persistent_executables), so each signature is
     compiled again in the new process. What the artifact saves is dynamo's
-    trace and guards (the first call's seconds) and the list of signatures.
-  * `fullgraph=True` only (a torch aot_compile restriction).
+    trace and guards (most of a cold first call) and the list of signatures.
+  * `fullgraph=True` only (a torch aot_compile restriction), and the model's
+    classes must be defined at a module's top level: torch 2.9 cannot save
+    a type guard on a class defined in a function ("defined in local
+    scope").
+  * A graph the bridge partitions around CPU fallback ops runs and saves,
+    but records no signatures: each XLA part compiles on demand.
 
 [Note: Artifact safety]
 The file is a magic line, a JSON header and a pickle payload. The header holds
@@ -52,7 +57,7 @@ import platform
 import tempfile
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._dynamo.aot_compile import SerializableCallable
@@ -502,7 +507,9 @@ class CompiledModel:
   Args:
     aot_fn: the AOTCompiledFunction.
     model: the nn.Module whose forward was compiled, or the function.
-    header_fields: source digest and example-call fields for the artifact.
+    bound_method: whether aot_fn is called as aot_fn(model, *args).
+    example_args: input specs of an example call (see _arg_specs), used by
+      load to warm up; None if the call cannot be rebuilt from specs.
   """
 
   def __init__(self, aot_fn, model: Any, bound_method: bool,
@@ -513,7 +520,8 @@ class CompiledModel:
     self.example_args = example_args
 
   def __call__(self, *args, **kwargs):
-    # [Note: Inference only] see the module docstring.
+    # Inference only: the graph is dynamo's, with no AOTAutograd (see the
+    # module docstring).
     with torch.no_grad():
       if self.bound_method:
         return self.aot_fn(self.model, *args, **kwargs)
