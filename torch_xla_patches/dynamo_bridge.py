@@ -63,32 +63,49 @@ class GraphInputMatcher:
   is either a graph argument (taken from the current call), the RNG seed
   (drawn fresh per call, as torch_xla.sync() does), or a true constant of the
   graph (kept). Trace-time argument tensors are never kept, see
-  [Note: What an entry keeps alive].
+  [Note: What an entry keeps alive]. The constructor takes upstream's
+  arguments, so upstream's tests and callers keep working.
 
   Args:
-    arg_positions: for each XLA graph input, the position of the graph
-      argument it comes from, or None.
-    constants: for each XLA graph input with no argument position, its traced
-      value, or SEED for the RNG seed slot; None elsewhere.
-    seed_device: the device string used for the seed, if there is a seed slot.
+    tensor_id_to_arg_idx: maps a tensor id to the position of the graph
+      argument holding it.
+    graph_input_tensor_ids: tensor id of each XLA graph input.
+    graph_input_xla_values: traced value of each XLA graph input.
+    xla_args_tensor_id: unused; upstream passes the ids of the arguments,
+      which `tensor_id_to_arg_idx` already holds.
   """
-  SEED = object()
 
   def __init__(self,
-               arg_positions: Sequence[Optional[int]],
-               constants: Sequence[Any],
-               seed_device: Optional[str] = None):
-    assert len(arg_positions) == len(constants)
-    self.arg_positions = tuple(arg_positions)
+               tensor_id_to_arg_idx: Dict[int, int],
+               graph_input_tensor_ids: Sequence[int],
+               graph_input_xla_values: Sequence[torch.Tensor],
+               xla_args_tensor_id: Any = None):
+    del xla_args_tensor_id
+    assert len(graph_input_tensor_ids) == len(graph_input_xla_values)
+    seed_id = torch_xla._XLAC._get_seed_info_id()
+    self.arg_idxs = tuple(
+        tensor_id_to_arg_idx.get(tensor_id)
+        for tensor_id in graph_input_tensor_ids)
+    # Arguments come from each call; only constants and the seed slot's
+    # traced value (for its device) are kept.
+    self.graph_input_xla_values = [
+        None if arg_idx is not None else value
+        for arg_idx, value in zip(self.arg_idxs, graph_input_xla_values)
+    ]
     self._arg_getter = _tuple_getter(
-        tuple(p for p in self.arg_positions if p is not None))
-    # (slot, value) pairs in ascending slot order; inserting in that order
-    # puts each value at its final slot.
+        tuple(i for i in self.arg_idxs if i is not None))
+    # (slot, constant or None for the seed), in ascending slot order:
+    # inserting in that order puts each value at its final slot.
     self._fixed_slots = tuple(
-        (slot, value)
-        for slot, (position, value) in enumerate(zip(arg_positions, constants))
-        if position is None)
-    self._seed_device = seed_device
+        (slot, None if tensor_id == seed_id else value)
+        for slot, (tensor_id, arg_idx, value) in enumerate(
+            zip(graph_input_tensor_ids, self.arg_idxs, graph_input_xla_values))
+        if arg_idx is None)
+    self._seed_device = next(
+        (str(value.device)
+         for tensor_id, value in zip(graph_input_tensor_ids,
+                                     graph_input_xla_values)
+         if tensor_id == seed_id), None)
 
   def _next_seed(self) -> torch.Tensor:
     seed = torch_xla._XLAC._get_base_seed_as_tensor(self._seed_device)
@@ -101,7 +118,7 @@ class GraphInputMatcher:
   def __call__(self, args: Sequence[Any]) -> List[torch.Tensor]:
     inputs = list(self._arg_getter(args))
     for slot, value in self._fixed_slots:
-      inputs.insert(slot, self._next_seed() if value is self.SEED else value)
+      inputs.insert(slot, self._next_seed() if value is None else value)
     return inputs
 
 
@@ -271,24 +288,15 @@ def _match_graph_inputs(graph_tensors: List[torch.Tensor], args: Sequence[Any],
       graph_tensors)
   seed_id = torch_xla._XLAC._get_seed_info_id()
   position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
-  arg_positions: List[Optional[int]] = []
-  constants: List[Any] = []
-  seed_device = None
+  id_to_position = dict(tensor_id_to_position)
   for tensor_id, value in zip(input_ids, input_values):
-    position = tensor_id_to_position.get(tensor_id)
-    if position is None and tensor_id != seed_id:
+    if tensor_id not in id_to_position and tensor_id != seed_id:
       # A tensor sharing its data with an argument (an alias made before
       # the call) is still that argument, not a constant.
       position = position_of_arg_data.get(_data_id(value))
-    arg_positions.append(position)
-    if position is not None:
-      constants.append(None)
-    elif tensor_id == seed_id:
-      constants.append(GraphInputMatcher.SEED)
-      seed_device = str(value.device)
-    else:
-      constants.append(value)
-  return GraphInputMatcher(arg_positions, constants, seed_device)
+      if position is not None:
+        id_to_position[tensor_id] = position
+  return GraphInputMatcher(id_to_position, input_ids, input_values)
 
 
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -307,12 +315,12 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   outputs = _flatten_outputs(xla_model(*args))
   graph_tensors, output_plan = _plan_outputs(args, tensor_positions, outputs)
   graph_hash = b''
-  matcher = GraphInputMatcher((), ())
+  matcher = GraphInputMatcher({}, (), ())
   if output_plan.num_results:
     matcher = _match_graph_inputs(graph_tensors, args, tensor_id_to_position,
                                   tensor_positions)
     if dynamo_debug:
-      print(f'Number of HLO inputs: {len(matcher.arg_positions)}, outputs: '
+      print(f'Number of HLO inputs: {len(matcher.arg_idxs)}, outputs: '
             f'{output_plan.num_results}')
       print(torch_xla._XLAC._get_xla_tensors_text(graph_tensors))
     with alias_with_buffer_donor_config():
