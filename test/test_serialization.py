@@ -74,6 +74,8 @@ for batch in (5, 3, 7, 12, 1, 2):
   torch.testing.assert_close(loaded(x.to(device)).cpu(), expected,
                              rtol=1e-4, atol=1e-4)
 print('misses', met.counter_value('DynamoSignatureMiss') or 0)
+# Saving again keeps the loaded signatures and adds the new ones.
+print('recorded', len(loaded.backend_callable.recorded_signatures().specs))
 # torch's saved guards still hold: a static size that differs is refused.
 try:
   loaded(torch.randn(4, 9).to(device))
@@ -120,6 +122,8 @@ def test_fresh_process_loads_without_dynamo_and_matches_eager(artifact):
   assert _values(proc.stdout, 'precompiled') == [1]
   # Warm-up call (3) + the new batches 7, 12, 1 and 2, compiled on demand.
   assert _values(proc.stdout, "misses") == [5]
+  # Batches 3 and 5 (loaded) plus 7, 12, 1 and 2 (served here).
+  assert _values(proc.stdout, 'recorded') == [6]
   assert _values(proc.stdout, 'guard') == [1]
   # No dynamo frame was captured or compiled in the loading process.
   assert _values(proc.stdout, 'frames') == [0, 0]
