@@ -31,7 +31,9 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FULL_GRID = [(b, s) for b in (1, 2, 4, 8, 16) for s in (16, 32, 64, 128, 256, 512)]
+FULL_GRID = [
+    (b, s) for b in (1, 2, 4, 8, 16) for s in (16, 32, 64, 128, 256, 512)
+]
 DEMO_GRID = [(b, s) for b in (1, 2, 4, 8) for s in (16, 32, 64)]
 
 MODES = ('upstream-static', 'upstream-dynamic', 'patched-cold',
@@ -258,21 +260,21 @@ def run_mode(mode: str, grid, norm: str, layers: int, width: int,
 
   device = torch_xla.device()
   model = build_model(norm, layers, width).to(device).eval()
-  token_batches = [
-      torch.randint(0, 256, (b, s)).to(device) for b, s in grid
-  ]
+  token_batches = [torch.randint(0, 256, (b, s)).to(device) for b, s in grid]
   torch_xla.sync()
   met.clear_all()
   torch.set_grad_enabled(False)
-  compiled = torch.compile(
-      model, backend=counting_backend, dynamic=(mode != 'upstream-static'))
+  compiled = torch.compile(model,
+                           backend=counting_backend,
+                           dynamic=(mode != 'upstream-static'))
 
   start = time.perf_counter()
   first_result = None
   precompile_seconds = 0.0
   if mode == 'patched-precompile':
-    torch_xla_patches.precompile(
-        compiled, [(tokens,) for tokens in token_batches], progress=False)
+    torch_xla_patches.precompile(compiled,
+                                 [(tokens,) for tokens in token_batches],
+                                 progress=False)
     precompile_seconds = time.perf_counter() - start
   for tokens in token_batches:
     compiled(tokens).cpu()
@@ -301,8 +303,9 @@ def run_mode(mode: str, grid, norm: str, layers: int, width: int,
 
 def run_in_subprocess(mode, args, cache_dir) -> dict:
   command = [
-      sys.executable, os.path.abspath(__file__), '--run-mode', mode, '--norm',
-      args.norm, '--layers',
+      sys.executable,
+      os.path.abspath(__file__), '--run-mode', mode, '--norm', args.norm,
+      '--layers',
       str(args.layers), '--width',
       str(args.width), '--cache-dir', cache_dir
   ]
@@ -376,7 +379,10 @@ def write_chart(results, path: str) -> bool:
   fig, ax = plt.subplots(figsize=(8, 3.8))
   positions = range(len(ok))
   ax.barh(positions, walls, color='#4c72b0', label='wall seconds')
-  ax.barh(positions, compiles, color='#dd8452', height=0.4,
+  ax.barh(positions,
+          compiles,
+          color='#dd8452',
+          height=0.4,
           label='of which XLA compile')
   ax.set_yticks(list(positions), names)
   ax.invert_yaxis()
@@ -391,9 +397,11 @@ def write_chart(results, path: str) -> bool:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--demo', action='store_true',
+  parser.add_argument('--demo',
+                      action='store_true',
                       help='the 12-shape grid (batch 1-8 x seq 16-64)')
-  parser.add_argument('--norm', choices=('layernorm', 'rmsnorm'),
+  parser.add_argument('--norm',
+                      choices=('layernorm', 'rmsnorm'),
                       default='layernorm')
   parser.add_argument('--layers', type=int, default=4)
   parser.add_argument('--width', type=int, default=128)
@@ -405,9 +413,10 @@ def main(argv=None) -> int:
   grid = DEMO_GRID if args.demo else FULL_GRID
 
   if args.run_mode:
-    print(json.dumps(
-        run_mode(args.run_mode, grid, args.norm, args.layers, args.width,
-                 args.cache_dir)))
+    print(
+        json.dumps(
+            run_mode(args.run_mode, grid, args.norm, args.layers, args.width,
+                     args.cache_dir)))
     return 0
 
   modes = [m.strip() for m in args.modes.split(',') if m.strip()]
@@ -426,8 +435,8 @@ def main(argv=None) -> int:
     f.write(table + '\n')
   if write_chart(results, stem + '.png'):
     print(f'\nwrote {stem}.json, {stem}.md and {stem}.png')
-  return 1 if any('error' in r and r['mode'].startswith('patched')
-                  for r in results) else 0
+  return 1 if any(
+      'error' in r and r['mode'].startswith('patched') for r in results) else 0
 
 
 if __name__ == '__main__':
