@@ -115,7 +115,10 @@ class GraphInputMatcher:
                      18446744073709551615, self._seed_device)
     return seed
 
-  def __call__(self, args: Sequence[Any]) -> List[torch.Tensor]:
+  def __call__(self, args: Sequence[Any]) -> Sequence[torch.Tensor]:
+    if not self._fixed_slots:
+      # The common case: every graph input is an argument.
+      return self._arg_getter(args)
     inputs = list(self._arg_getter(args))
     for slot, value in self._fixed_slots:
       inputs.insert(slot, self._next_seed() if value is None else value)
