@@ -321,6 +321,9 @@ def run_in_subprocess(mode, args, cache_dir) -> dict:
     lines = proc.stderr.strip().splitlines() or ['no output']
     errors = [l for l in lines if 'Error' in l or 'error' in l]
     reason = (errors or lines)[-1]
+    # Dynamo wraps the real error: "... failed to run FX node ...: got X".
+    if ': got ' in reason:
+      reason = reason.rsplit(': got ', 1)[1]
     return {'mode': mode, 'error': reason[:200]}
   return json.loads(lines[-1])
 
@@ -421,8 +424,13 @@ def main(argv=None) -> int:
 
   modes = [m.strip() for m in args.modes.split(',') if m.strip()]
   results = []
-  with tempfile.TemporaryDirectory(prefix='xla_patches_bench_') as cache_dir:
+  with tempfile.TemporaryDirectory(prefix='xla_patches_bench_') as root:
     for mode in modes:
+      # patched-index reads the index patched-cold wrote; every other mode
+      # starts from an empty cache directory of its own.
+      shared = mode in ('patched-cold', 'patched-index')
+      cache_dir = os.path.join(root, 'shared' if shared else mode)
+      os.makedirs(cache_dir, exist_ok=True)
       results.append(run_in_subprocess(mode, args, cache_dir))
   grid_name = 'demo' if args.demo else 'full'
   table = format_table(results, f'{grid_name} ({args.norm})')
