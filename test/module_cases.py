@@ -287,6 +287,39 @@ def cases() -> List[Case]:
   return [dataclasses.replace(c, note=NOTES.get(c.name, '')) for c in _cases()]
 
 
+def _batch_norm_cases() -> List[Case]:
+  """Train and eval BatchNorm1d/2d, with and without the torch_xla bugs."""
+  cases = []
+  for cls, features, keys in ((nn.BatchNorm1d, 8, BCL), (nn.BatchNorm2d, 4,
+                                                         BCHW)):
+    name = cls.__name__
+    cases += [
+        Case(f'{name} (train)',
+             lambda cls=cls, f=features: _train(cls(f)),
+             keys,
+             _float_inputs(_x),
+             backward=True,
+             known_failure=BN_RUNNING_VAR),
+        Case(f'{name} (train, no running stats)',
+             lambda cls=cls, f=features: _train(
+                 cls(f, track_running_stats=False)),
+             keys,
+             _float_inputs(_x),
+             backward=True),
+        Case(f'{name} (eval)',
+             lambda cls=cls, f=features: _eval(_with_random_stats(cls(f))),
+             keys,
+             _float_inputs(_x),
+             backward=True,
+             known_failure=BN_EVAL_BACKWARD),
+        Case(f'{name} (eval, forward only)',
+             lambda cls=cls, f=features: _eval(_with_random_stats(cls(f))),
+             keys,
+             _float_inputs(_x)),
+    ]
+  return cases
+
+
 def _cases() -> List[Case]:
   return [
       Case('LayerNorm',
@@ -309,46 +342,7 @@ def _cases() -> List[Case]:
            BCHW,
            _float_inputs(_x),
            backward=True),
-      Case('BatchNorm1d (train)',
-           lambda: _train(nn.BatchNorm1d(8)),
-           BCL,
-           _float_inputs(_x),
-           backward=True,
-           known_failure=BN_RUNNING_VAR),
-      Case('BatchNorm1d (train, no running stats)',
-           lambda: _train(nn.BatchNorm1d(8, track_running_stats=False)),
-           BCL,
-           _float_inputs(_x),
-           backward=True),
-      Case('BatchNorm1d (eval)',
-           lambda: _eval(_with_random_stats(nn.BatchNorm1d(8))),
-           BCL,
-           _float_inputs(_x),
-           backward=True,
-           known_failure=BN_EVAL_BACKWARD),
-      Case('BatchNorm1d (eval, forward only)',
-           lambda: _eval(_with_random_stats(nn.BatchNorm1d(8))), BCL,
-           _float_inputs(_x)),
-      Case('BatchNorm2d (train)',
-           lambda: _train(nn.BatchNorm2d(4)),
-           BCHW,
-           _float_inputs(_x),
-           backward=True,
-           known_failure=BN_RUNNING_VAR),
-      Case('BatchNorm2d (train, no running stats)',
-           lambda: _train(nn.BatchNorm2d(4, track_running_stats=False)),
-           BCHW,
-           _float_inputs(_x),
-           backward=True),
-      Case('BatchNorm2d (eval)',
-           lambda: _eval(_with_random_stats(nn.BatchNorm2d(4))),
-           BCHW,
-           _float_inputs(_x),
-           backward=True,
-           known_failure=BN_EVAL_BACKWARD),
-      Case('BatchNorm2d (eval, forward only)',
-           lambda: _eval(_with_random_stats(nn.BatchNorm2d(4))), BCHW,
-           _float_inputs(_x)),
+      *_batch_norm_cases(),
       Case('RMSNorm',
            lambda: nn.RMSNorm(16),
            BT,
