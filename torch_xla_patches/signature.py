@@ -168,10 +168,6 @@ class ArgLayout:
   def dynamic_tensor_positions(self) -> Tuple[int, ...]:
     return self.positions(ArgKind.DYNAMIC_TENSOR)
 
-  @property
-  def is_dynamic(self) -> bool:
-    return bool(self.positions(ArgKind.SHAPE, ArgKind.DYNAMIC_TENSOR))
-
   def key_function(self) -> Callable[[Sequence[Any]], Hashable]:
     """A function args -> hashable key; see [Note: Shape signatures]."""
     scalar_getter = _tuple_getter(self.scalar_positions)
