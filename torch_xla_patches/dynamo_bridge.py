@@ -477,7 +477,7 @@ class SignatureCache:
 def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
   """Materializes the tensors that have pending IR, blocking."""
   flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-  if any(flags):
+  if True in flags:
     pending = [t for t, flag in zip(tensors, flags) if flag]
     _increment_counter('DynamoSyncInputExecuteTime', 1)
     torch_xla._XLAC._xla_sync_multi(pending,
@@ -515,8 +515,6 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   # runs anything, and the refusal is handled in run_after_error.
   checked_tensors = _tuple_getter(
       layout.positions(ArgKind.TENSOR, ArgKind.DYNAMIC_TENSOR))
-  check_need_materialization = (
-      torch_xla._XLAC._check_tensor_need_materialization)
 
   def run_after_error(error: RuntimeError, key: Hashable,
                       entry: CompiledGraphEntry, args: Sequence[Any]):
@@ -553,9 +551,7 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     plan = entry.output_plan
     if plan.num_results:
       if not upstream_config.skip_input_data_check:
-        tensors = checked_tensors(args)
-        if True in check_need_materialization(tensors):
-          _sync_pending_inputs(tensors)
+        _sync_pending_inputs(checked_tensors(args))
       try:
         results = run_cached_graph(entry.graph_hash,
                                    entry.graph_input_matcher(args))
