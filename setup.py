@@ -6,7 +6,8 @@ setup(
     version='0.1.0',
     description=('Patches for the PyTorch/XLA dynamo bridge: one dynamo trace, '
                  'one compiled XLA program per shape signature.'),
-    packages=find_packages(include=['torch_xla_patches', 'torch_xla_patches.*']),
+    packages=find_packages(
+        include=['torch_xla_patches', 'torch_xla_patches.*']),
     python_requires='>=3.11,<3.12',
     install_requires=['torch==2.9.0', 'torch_xla==2.9.0'],
     extras_require={
