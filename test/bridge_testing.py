@@ -75,3 +75,14 @@ def run_python(code: str, env: Dict[str, str] = None, timeout: int = 600):
                         capture_output=True,
                         text=True,
                         timeout=timeout)
+
+
+def run_counters(code: str, env: Dict[str, str] = None) -> Dict[str, int]:
+  """Runs `code` in a fresh interpreter; it must succeed and print one
+  `name value` line per counter it reports."""
+  proc = run_python(code, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return {
+      name: int(value)
+      for name, value in (line.split() for line in proc.stdout.splitlines())
+  }

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from bridge_testing import run_python
+from bridge_testing import run_counters
 
 EVICTION_SCRIPT = r'''
 import torch, torch_xla
@@ -31,14 +31,13 @@ print('hits', met.counter_value('DynamoSignatureHit'))
 
 
 def test_evicted_programs_are_retraced_not_crashed():
-  proc = run_python(EVICTION_SCRIPT, env={'XLA_COMPILATION_CACHE_SIZE': '4'})
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  values = dict(line.split() for line in proc.stdout.splitlines())
-  assert int(values['misses']) == 10
+  values = run_counters(EVICTION_SCRIPT,
+                        env={'XLA_COMPILATION_CACHE_SIZE': '4'})
+  assert values['misses'] == 10
   # Round two finds all 10 signatures known but their programs evicted
   # (only 4 fit), so every one of them is re-traced.
-  assert int(values['retraces']) == 10
-  assert int(values['hits']) == 20 - 10 + 1
+  assert values['retraces'] == 10
+  assert values['hits'] == 20 - 10 + 1
 
 
 if __name__ == '__main__':

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from bridge_testing import run_python
+from bridge_testing import run_counters
 
 SPMD_SCRIPT = r'''
 import numpy as np
@@ -39,12 +39,10 @@ print('hits', met.counter_value('DynamoSignatureHit'))
 
 
 def test_spmd_dynamic_shapes_and_sharding_in_signature():
-  proc = run_python(SPMD_SCRIPT, env={'CPU_NUM_DEVICES': '4'})
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  values = dict(line.split() for line in proc.stdout.splitlines())
+  values = run_counters(SPMD_SCRIPT, env={'CPU_NUM_DEVICES': '4'})
   # (4, data), (12, data) and (4, replicated) are the distinct signatures.
-  assert int(values['misses']) == 3
-  assert int(values['hits']) == 5 - 3 + 1
+  assert values['misses'] == 3
+  assert values['hits'] == 5 - 3 + 1
 
 
 if __name__ == '__main__':

@@ -217,8 +217,10 @@ def _flatten_outputs(out: Any) -> List[Any]:
   return [out]
 
 
-def _plan_outputs(args: Sequence[Any], tensor_positions: Tuple[int, ...],
-                  outputs: List[Any]) -> Tuple[List[torch.Tensor], OutputPlan]:
+def _plan_outputs(
+    args: Sequence[Any], tensor_positions: Tuple[int, ...], outputs: List[Any],
+    position_of_arg_data: Dict[int,
+                               int]) -> Tuple[List[torch.Tensor], OutputPlan]:
   """The tensors the XLA graph computes, and how its results map back.
 
   [Note: Graph outputs]
@@ -241,7 +243,6 @@ def _plan_outputs(args: Sequence[Any], tensor_positions: Tuple[int, ...],
     if computed:
       result_index_of_data.setdefault(_data_id(tensor),
                                       len(result_index_of_data))
-  position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
   position_of_arg_object = {id(args[i]): i for i in tensor_positions}
 
   returned_args: List[int] = []
@@ -281,16 +282,15 @@ def _plan_outputs(args: Sequence[Any], tensor_positions: Tuple[int, ...],
   return graph_tensors, plan
 
 
-def _match_graph_inputs(graph_tensors: List[torch.Tensor], args: Sequence[Any],
-                        tensor_id_to_position: Dict[int, int],
-                        tensor_positions: Tuple[int, ...]) -> GraphInputMatcher:
+def _match_graph_inputs(
+    graph_tensors: List[torch.Tensor], tensor_id_to_position: Dict[int, int],
+    position_of_arg_data: Dict[int, int]) -> GraphInputMatcher:
   """Finds where each device-data input of the XLA graph comes from."""
   # Wait for the sync before tracing to finish before reading device data.
   xm.wait_device_ops()
   input_ids, input_values = torch_xla._XLAC._get_tensors_xla_device_data_node(
       graph_tensors)
   seed_id = torch_xla._XLAC._get_seed_info_id()
-  position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
   id_to_position = dict(tensor_id_to_position)
   for tensor_id, value in zip(input_ids, input_values):
     if tensor_id not in id_to_position and tensor_id != seed_id:
@@ -316,12 +316,16 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   restore = _PendingRestore([args[i] for i in tensor_positions])
 
   outputs = _flatten_outputs(xla_model(*args))
-  graph_tensors, output_plan = _plan_outputs(args, tensor_positions, outputs)
+  # IR/data identity of each argument after the trace, for aliases among
+  # outputs and graph inputs.
+  position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
+  graph_tensors, output_plan = _plan_outputs(args, tensor_positions, outputs,
+                                             position_of_arg_data)
   graph_hash = b''
   matcher = GraphInputMatcher({}, (), ())
   if output_plan.num_results:
-    matcher = _match_graph_inputs(graph_tensors, args, tensor_id_to_position,
-                                  tensor_positions)
+    matcher = _match_graph_inputs(graph_tensors, tensor_id_to_position,
+                                  position_of_arg_data)
     if dynamo_debug:
       print(f'Number of HLO inputs: {len(matcher.arg_idxs)}, outputs: '
             f'{output_plan.num_results}')

@@ -49,6 +49,25 @@ def _dtype_from_name(name: str) -> torch.dtype:
   return dtype
 
 
+def tensor_spec(tensor: torch.Tensor) -> Dict[str, Any]:
+  """A tensor's sizes and dtype, as recorded in index files and artifacts."""
+  return {
+      'shape': [int(s) for s in tensor.shape],
+      'dtype': _dtype_name(tensor.dtype)
+  }
+
+
+def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
+                    device: Any) -> torch.Tensor:
+  """Zeros made on the host and copied: zeros made on the device would be a
+  small XLA program of their own, compiled once per shape."""
+  return torch.zeros(tuple(shape), dtype=dtype).to(device)
+
+
+def tensor_from_spec(spec: Dict[str, Any], device: Any) -> torch.Tensor:
+  return zeros_on_device(spec['shape'], _dtype_from_name(spec['dtype']), device)
+
+
 def input_specs(layout: ArgLayout,
                 args: Sequence[Any]) -> Tuple[InputSpec, ...]:
   """What must be recorded to rebuild `args` for a later trace."""
@@ -57,10 +76,7 @@ def input_specs(layout: ArgLayout,
     if kind in (ArgKind.SHAPE, ArgKind.SCALAR):
       specs.append({'value': arg})
     elif kind == ArgKind.DYNAMIC_TENSOR:
-      specs.append({
-          'shape': [int(s) for s in arg.shape],
-          'dtype': _dtype_name(arg.dtype)
-      })
+      specs.append(tensor_spec(arg))
     else:
       specs.append(None)
   return tuple(specs)
@@ -78,11 +94,7 @@ def rebuild_args(layout: ArgLayout, specs: Sequence[InputSpec],
     if kind in (ArgKind.SHAPE, ArgKind.SCALAR):
       args.append(spec['value'])
     elif kind == ArgKind.DYNAMIC_TENSOR:
-      # Made on the host and copied: zeros made on the device would be a
-      # small XLA program of their own, compiled once per shape.
-      args.append(
-          torch.zeros(spec['shape'],
-                      dtype=_dtype_from_name(spec['dtype'])).to(device))
+      args.append(tensor_from_spec(spec, device))
     else:
       args.append(live)
   return args
@@ -237,12 +249,14 @@ class SignatureIndex:
             ', '.join(best[0]))
 
 
-def _atomic_write_json(path: str, payload: Dict[str, Any]) -> None:
-  directory = os.path.dirname(path)
-  fd, tmp_path = tempfile.mkstemp(dir=directory, prefix='.tmp-', suffix='.json')
+def atomic_write_bytes(path: str, data: bytes, prefix: str = '.tmp-') -> None:
+  """Writes `data` to a temp file beside `path`, fsyncs it, renames it over
+  `path`: readers see the old file or the new one, never a part."""
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=prefix)
   try:
-    with os.fdopen(fd, 'w') as f:
-      json.dump(payload, f, indent=1, sort_keys=True)
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp_path, path)
@@ -250,3 +264,8 @@ def _atomic_write_json(path: str, payload: Dict[str, Any]) -> None:
     with contextlib.suppress(OSError):
       os.unlink(tmp_path)
     raise
+
+
+def _atomic_write_json(path: str, payload: Dict[str, Any]) -> None:
+  atomic_write_bytes(path,
+                     json.dumps(payload, indent=1, sort_keys=True).encode())

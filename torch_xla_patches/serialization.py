@@ -54,13 +54,14 @@ import json
 import os
 import pickle
 import platform
-import tempfile
 import types
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._dynamo.aot_compile import SerializableCallable
+
+from torch_xla_patches import persistent
 
 BACKEND_NAME = 'openxla_serializable'
 FORMAT_VERSION = 1
@@ -243,7 +244,6 @@ class XlaSerializableCallable(SerializableCallable):
     self._precompile_recorded(cache, args)
 
   def _remember(self, key, args) -> None:
-    from torch_xla_patches import persistent
     self._seen[key] = persistent.input_specs(self._layout, args)
 
   def _precompile_recorded(self, cache, live_args: Sequence[Any]) -> None:
@@ -264,7 +264,7 @@ class XlaSerializableCallable(SerializableCallable):
       warnings.warn('torch_xla_patches: the artifact\'s signatures describe '
                     'other graph inputs; compiling signatures on demand only.')
       return
-    from torch_xla_patches import config, persistent, warmup
+    from torch_xla_patches import config, warmup
     current = list(persistent.input_specs(cache.layout, live_args))
     known = {json.dumps(list(s), sort_keys=True) for s in cache.backlog}
     for specs in recorded.specs:
@@ -416,10 +416,7 @@ def _arg_specs(args: Sequence[Any]) -> Optional[List[Any]]:
   specs = []
   for arg in args:
     if isinstance(arg, torch.Tensor):
-      specs.append({
-          'shape': [int(s) for s in arg.shape],
-          'dtype': str(arg.dtype).replace('torch.', '')
-      })
+      specs.append(persistent.tensor_spec(arg))
     elif isinstance(arg, (bool, int, float)):
       specs.append({'value': arg})
     else:
@@ -433,9 +430,7 @@ def _rebuild_call_args(specs: Sequence[Any], device) -> List[Any]:
     if 'value' in spec:
       args.append(spec['value'])
     else:
-      dtype = getattr(torch, spec['dtype'])
-      # Made on the host and copied, like persistent.rebuild_args.
-      args.append(torch.zeros(spec['shape'], dtype=dtype).to(device))
+      args.append(persistent.tensor_from_spec(spec, device))
   return args
 
 
@@ -617,20 +612,9 @@ def save(compiled: Any,
   header_line = json.dumps(dataclasses.asdict(header),
                            sort_keys=True).encode() + b'\n'
   path = os.fspath(path)
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp_path = tempfile.mkstemp(dir=directory, prefix='.tmp-aot-')
-  try:
-    with os.fdopen(fd, 'wb') as f:
-      f.write(_MAGIC)
-      f.write(header_line)
-      f.write(payload)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp_path, path)
-  except BaseException:
-    if os.path.exists(tmp_path):
-      os.unlink(tmp_path)
-    raise
+  persistent.atomic_write_bytes(path,
+                                _MAGIC + header_line + payload,
+                                prefix='.tmp-aot-')
   return path
 
 

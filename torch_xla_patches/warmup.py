@@ -32,9 +32,8 @@ class TensorSpec:
   dtype: torch.dtype = torch.float32
 
   def materialize(self, device) -> torch.Tensor:
-    # Copied from the host: zeros made on the device would compile a small
-    # program per shape.
-    return torch.zeros(self.shape, dtype=self.dtype).to(device)
+    from torch_xla_patches import persistent
+    return persistent.zeros_on_device(self.shape, self.dtype, device)
 
 
 @dataclasses.dataclass(frozen=True)
