@@ -1,11 +1,13 @@
 """Each fingerprint part on its own: same input, same key; one change, a
 different key, and the explanation names that part."""
+import os
+import re
 import sys
 
 import pytest
 import torch
 
-from torch_xla_patches import fingerprint
+from torch_xla_patches import config, fingerprint
 from torch_xla_patches.signature import ArgKind, ArgLayout
 
 
@@ -59,6 +61,46 @@ def test_debug_and_cache_variables_do_not_change_the_key(monkeypatch):
   monkeypatch.setenv('XLA_PATCHES_EXPLAIN_MISSES', '1')
   monkeypatch.setenv('XLA_PERSISTENT_CACHE_PATH', '/tmp/elsewhere')
   assert fingerprint.graph_fingerprint(graph_of(add), LAYOUT).key == a.key
+
+
+@pytest.mark.parametrize(
+    'flag', [f for f in config.FLAGS.values() if not f.changes_program],
+    ids=lambda f: f.env_var)
+def test_flags_that_cannot_change_programs_leave_the_key_alone(
+    monkeypatch, flag):
+  a = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  monkeypatch.setenv(flag.env_var, '7')
+  assert fingerprint.graph_fingerprint(graph_of(add), LAYOUT).key == a.key
+
+
+@pytest.mark.parametrize(
+    'flag', [f for f in config.FLAGS.values() if f.changes_program],
+    ids=lambda f: f.env_var)
+def test_flags_that_can_change_programs_are_in_the_key(monkeypatch, flag):
+  a = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  monkeypatch.setenv(flag.env_var, '0')
+  b = fingerprint.graph_fingerprint(graph_of(add), LAYOUT)
+  assert b.differing_parts(a.as_dict()) == ['xla_flags']
+
+
+def test_every_variable_the_package_reads_is_a_declared_flag():
+  """See [Note: Flags that change programs]: a new XLA_PATCHES_* variable
+  must be declared in config.py, saying whether it changes programs."""
+  package = os.path.dirname(config.__file__)
+  used = set()
+  for name in os.listdir(package):
+    if name.endswith('.py'):
+      with open(os.path.join(package, name)) as f:
+        used.update(re.findall(r'\bXLA_PATCHES_[A-Z0-9_]*[A-Z0-9]', f.read()))
+  assert used, 'the scan found nothing: is the pattern right?'
+  undeclared = sorted(used - set(config.FLAGS))
+  assert undeclared == [], (f'declare these in config.py with _flag(..., '
+                            f'changes_program=...): {undeclared}')
+
+
+def test_every_flag_is_a_config_attribute():
+  for flag in config.FLAGS.values():
+    assert hasattr(config, flag.attribute), flag
 
 
 def test_versions_and_devices_are_parts():

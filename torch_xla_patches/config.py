@@ -1,72 +1,220 @@
-"""Flags of the patch set. Each reads an environment variable once at import;
-tests and users may also assign the attributes directly."""
+"""Flags of the patch set.
+
+Each flag reads its environment variable once, at import; tests and users may
+also assign the attributes directly (apply() sets the ones it is given through
+its patch registry, so revert() restores them).
+
+[Note: Flags that change programs]
+Every flag is declared with `_flag(...)`, which records whether it can change
+a compiled XLA program. The graph fingerprint of the signature index (see
+fingerprint.py) hashes the environment variables of the flags that can, and
+none of the others: turning on a diagnostic or changing a cache bound must not
+hide the index a restart would find. torch_xla's own `XLA_*` variables that
+never change a program are declared in `XLA_ENV_NOT_IN_PROGRAM`; every other
+`XLA_*` variable is hashed. test_fingerprint.py fails when the package reads
+an `XLA_PATCHES_*` variable that is not declared here.
+"""
+import dataclasses
 import os
+from typing import Any, Callable, Dict, Tuple
 
 
-def _env_int(name: str, default: int) -> int:
-  value = os.environ.get(name)
-  if value is None or value == '':
-    return default
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """A declared flag.
+
+  Args:
+    attribute: name of the attribute in this module.
+    env_var: environment variable read at import.
+    changes_program: whether its value can change a compiled XLA program.
+  """
+  attribute: str
+  env_var: str
+  changes_program: bool
+
+
+FLAGS: Dict[str, Flag] = {}
+
+
+def _parse_int(name: str, value: str) -> int:
   try:
     return int(value)
   except ValueError:
     raise ValueError(f'{name} must be an integer, got {value!r}') from None
 
 
-def _env_bool(name: str, default: bool) -> bool:
-  value = os.environ.get(name)
-  if value is None or value == '':
-    return default
+def _parse_float(name: str, value: str) -> float:
+  try:
+    return float(value)
+  except ValueError:
+    raise ValueError(f'{name} must be a number, got {value!r}') from None
+
+
+def _parse_bool(name: str, value: str) -> bool:
+  del name
   return value.strip().lower() in ('1', 'true', 'yes', 'on')
 
 
-# Most shape signatures kept per graph. Past it, the least recently used
-# signature is dropped (its XLA program may stay in XLA's own cache) and a
-# warning is printed once per graph. 0 means no cap.
-max_signatures_per_graph = _env_int('XLA_PATCHES_MAX_SIGNATURES', 1024)
+def _parse_str(name: str, value: str) -> str:
+  del name
+  return value
 
-# Print, for every signature miss after the first trace of a graph, which part
+
+def _flag(attribute: str, env_var: str, default: Any,
+          parse: Callable[[str, str], Any], *, changes_program: bool) -> Any:
+  FLAGS[env_var] = Flag(attribute, env_var, changes_program)
+  value = os.environ.get(env_var)
+  if value is None or value == '':
+    return default
+  return parse(env_var, value)
+
+
+def flag_values() -> Dict[str, Any]:
+  """{attribute: current value} of every declared flag."""
+  return {flag.attribute: globals()[flag.attribute] for flag in FLAGS.values()}
+
+
+# Most shape signatures kept in memory per graph. Past it, the least recently
+# used signature is dropped (its XLA program may stay in XLA's own cache) and
+# a warning is logged once per graph. 0 means no cap.
+max_signatures_per_graph = _flag('max_signatures_per_graph',
+                                 'XLA_PATCHES_MAX_SIGNATURES',
+                                 1024,
+                                 _parse_int,
+                                 changes_program=False)
+
+# Log, for every signature miss after the first trace of a graph, which part
 # of the signature differed from the closest known signature.
-explain_misses = _env_bool('XLA_PATCHES_EXPLAIN_MISSES', False)
+explain_misses = _flag('explain_misses',
+                       'XLA_PATCHES_EXPLAIN_MISSES',
+                       False,
+                       _parse_bool,
+                       changes_program=False)
 
 # torch_xla turns off dynamo's automatic dynamic shapes at import
 # (pytorch/xla#5285). With the patched bridge a dynamic graph is cheap per
 # shape, so apply() turns it back on: the default mode of torch.compile then
 # traces at most twice (static, then dynamic). revert() restores torch_xla's
-# setting.
-automatic_dynamic_shapes = _env_bool('XLA_PATCHES_AUTOMATIC_DYNAMIC', True)
+# setting. It decides which graphs dynamo makes, so it is part of the program.
+automatic_dynamic_shapes = _flag('automatic_dynamic_shapes',
+                                 'XLA_PATCHES_AUTOMATIC_DYNAMIC',
+                                 True,
+                                 _parse_bool,
+                                 changes_program=True)
 
 # Install SymInt-safe tracing rules for XLA kernels that break dynamic tracing
-# (see decompositions.py).
-install_decompositions = _env_bool('XLA_PATCHES_DECOMPOSITIONS', True)
+# (see decompositions.py). They change the lowering of symbolic-size graphs.
+install_decompositions = _flag('install_decompositions',
+                               'XLA_PATCHES_DECOMPOSITIONS',
+                               True,
+                               _parse_bool,
+                               changes_program=True)
 
 # Directory of the persistent signature index (see persistent.py); None: off.
-cache_dir = os.environ.get('XLA_PATCHES_CACHE_DIR') or None
-
-# What a new process does with the signatures the index recorded for a graph:
-#   sync         compile them all when dynamo first hands the graph over, so
-#                no later request waits for a compile it could have skipped;
-#   interleaved  compile one after each served call until none are left;
-#   off          record only.
-precompile_mode = os.environ.get('XLA_PATCHES_PRECOMPILE', 'sync')
-
-# Print why a graph's fingerprint found no index file (which parts differ
-# from the closest recorded graph).
-explain_cache = _env_bool('XLA_PATCHES_EXPLAIN_CACHE', False)
-
-# Also ask torch_xla to persist compiled executables (xr.initialize_cache) in
-# <cache_dir>/xla. torch_xla 2.9 cannot load them back on CPU (and, per
-# pytorch/xla#9094, on TPU); the bridge detects that and says so once.
-persistent_executables = _env_bool('XLA_PATCHES_PERSISTENT_EXECUTABLES', False)
+cache_dir = _flag('cache_dir',
+                  'XLA_PATCHES_CACHE_DIR',
+                  None,
+                  _parse_str,
+                  changes_program=False)
 
 PRECOMPILE_MODES = ('sync', 'interleaved', 'off')
 
-# Print a progress line per signature compiled from the index.
-precompile_progress = _env_bool('XLA_PATCHES_PRECOMPILE_PROGRESS', True)
+# What a new process does with the signatures the index recorded for a graph:
+#   sync         compile the most served ones when dynamo first hands the
+#                graph over, within replay_sync_max_signatures and
+#                replay_sync_seconds; the rest one after each served call;
+#   interleaved  compile one after each served call until none are left;
+#   off          record only.
+precompile_mode = _flag('precompile_mode',
+                        'XLA_PATCHES_PRECOMPILE',
+                        'sync',
+                        _parse_str,
+                        changes_program=False)
+
+# Bounds of the synchronous replay of a restart (precompile_mode 'sync'): at
+# most this many recorded signatures, and no new one started after this many
+# seconds. 0 means no bound.
+replay_sync_max_signatures = _flag('replay_sync_max_signatures',
+                                   'XLA_PATCHES_REPLAY_SYNC_MAX',
+                                   64,
+                                   _parse_int,
+                                   changes_program=False)
+replay_sync_seconds = _flag('replay_sync_seconds',
+                            'XLA_PATCHES_REPLAY_SYNC_SECONDS',
+                            30.0,
+                            _parse_float,
+                            changes_program=False)
+
+# Largest total size, in bytes, of the tensors a recorded signature may make
+# to be replayed. 0: automatic, the larger of 256 MiB and 8 times the bytes of
+# the live call's tensor arguments (parameters included). A record over it is
+# skipped: a damaged size must not allocate terabytes.
+replay_max_bytes = _flag('replay_max_bytes',
+                         'XLA_PATCHES_REPLAY_MAX_BYTES',
+                         0,
+                         _parse_int,
+                         changes_program=False)
+
+# Most signatures the index keeps per graph on disk; the least served (then
+# least recently served) are dropped when the index is compacted. 0: no cap.
+index_max_signatures = _flag('index_max_signatures',
+                             'XLA_PATCHES_INDEX_MAX_SIGNATURES',
+                             1024,
+                             _parse_int,
+                             changes_program=False)
+
+# Seconds between two writes of a process's usage counts (how often and when
+# each signature was served). They are also written at exit.
+usage_flush_seconds = _flag('usage_flush_seconds',
+                            'XLA_PATCHES_USAGE_FLUSH_SECONDS',
+                            60.0,
+                            _parse_float,
+                            changes_program=False)
+
+# Log why a graph's fingerprint found no index (which parts differ from the
+# closest recorded graph).
+explain_cache = _flag('explain_cache',
+                      'XLA_PATCHES_EXPLAIN_CACHE',
+                      False,
+                      _parse_bool,
+                      changes_program=False)
+
+# Also ask torch_xla to persist compiled executables (xr.initialize_cache) in
+# <cache_dir>/xla. torch_xla 2.9 cannot load them back (pytorch/xla#9094); the
+# bridge detects that and says so once.
+persistent_executables = _flag('persistent_executables',
+                               'XLA_PATCHES_PERSISTENT_EXECUTABLES',
+                               False,
+                               _parse_bool,
+                               changes_program=False)
+
+# Log a progress line per signature compiled from the index.
+precompile_progress = _flag('precompile_progress',
+                            'XLA_PATCHES_PRECOMPILE_PROGRESS',
+                            True,
+                            _parse_bool,
+                            changes_program=False)
 
 # dynamo compiles symbolic-shape guards to C++ by default, which runs a C++
-# compiler on the first call of every dynamic graph: on the 2-core CPU machine
-# it took a 4-layer LM's first call from 4.6 s to 12.3 s, with no per-call
-# gain we could measure (tools/bench_warmup.py, tools/bench_dispatch.py).
-# apply() turns it off unless this is set; revert() restores torch's value.
-cpp_symbolic_shape_guards = _env_bool('XLA_PATCHES_CPP_SYMBOLIC_GUARDS', False)
+# compiler on the first call of every dynamic graph, with no per-call gain the
+# benchmarks could measure (README). apply() turns it off unless this is set;
+# revert() restores torch's value. Guards do not change the XLA program.
+cpp_symbolic_shape_guards = _flag('cpp_symbolic_shape_guards',
+                                  'XLA_PATCHES_CPP_SYMBOLIC_GUARDS',
+                                  False,
+                                  _parse_bool,
+                                  changes_program=False)
+
+# torch_xla's (and libtpu's) variables that never change a compiled program:
+# debugging output, metrics, cache locations and sizes.
+XLA_ENV_NOT_IN_PROGRAM: Tuple[str, ...] = (
+    'XLA_COMPILATION_CACHE_SIZE',
+    'XLA_DYNAMO_DEBUG',
+    'XLA_HLO_DEBUG',
+    'XLA_IR_DEBUG',
+    'XLA_METRICS_FILE',
+    'XLA_PERSISTENT_CACHE_PATH',
+    'XLA_PERSISTENT_CACHE_READ_ONLY',
+    'XLA_SAVE_TENSORS_FILE',
+    'XLA_SAVE_TENSORS_FMT',
+)

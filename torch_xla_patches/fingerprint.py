@@ -7,7 +7,8 @@ on its own so a miss can be explained part by part:
   input_metadata   kind, dtype and (symbolic) sizes of every graph input
   torch_version, torch_xla_version, python_version
   device_kind, device_count
-  xla_flags        XLA_FLAGS and the other XLA_* variables that change programs
+  xla_flags        XLA_FLAGS, LIBTPU_INIT_ARGS and the XLA_* variables that
+                   can change programs (see [Note: Flags that change programs])
   spmd             whether SPMD is on
 Left out on purpose: parameter values (they are graph inputs, not part of the
 program) and anything that differs between runs of the same program (object
@@ -23,17 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from torch_xla_patches import config
 from torch_xla_patches.signature import ArgLayout
-
-# XLA_* environment variables that do not change the compiled program.
-_IGNORED_ENV = frozenset({
-    'XLA_PATCHES_CACHE_DIR', 'XLA_PATCHES_EXPLAIN_MISSES',
-    'XLA_PATCHES_EXPLAIN_CACHE', 'XLA_PATCHES_PRECOMPILE',
-    'XLA_PATCHES_MAX_SIGNATURES', 'XLA_COMPILATION_CACHE_SIZE', 'XLA_IR_DEBUG',
-    'XLA_HLO_DEBUG', 'XLA_DYNAMO_DEBUG', 'XLA_METRICS_FILE',
-    'XLA_SAVE_TENSORS_FILE', 'XLA_PERSISTENT_CACHE_PATH',
-    'XLA_PERSISTENT_CACHE_READ_ONLY', 'XLA_PATCHES_PERSISTENT_EXECUTABLES'
-})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +87,25 @@ def _input_metadata(xla_model: Optional[torch.fx.GraphModule],
                   for kind, value in zip(layout.kinds, values))
 
 
+def _changes_program(name: str) -> bool:
+  """Whether environment variable `name` can change a compiled program."""
+  if name == 'LIBTPU_INIT_ARGS':
+    return True
+  if not name.startswith('XLA_'):
+    return False
+  flag = config.FLAGS.get(name)
+  if flag is not None:
+    return flag.changes_program
+  if name.startswith('XLA_PATCHES_'):
+    # Read by nothing in the package (tests and tools use a few).
+    return False
+  return name not in config.XLA_ENV_NOT_IN_PROGRAM
+
+
 def _xla_flags() -> str:
   items = sorted((name, value)
                  for name, value in os.environ.items()
-                 if (name.startswith('XLA_') or name == 'LIBTPU_INIT_ARGS') and
-                 name not in _IGNORED_ENV)
+                 if _changes_program(name))
   return ';'.join(f'{name}={value}' for name, value in items)
 
 
