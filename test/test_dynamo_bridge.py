@@ -1,5 +1,6 @@
 """Behaviour of the patched bridge: results equal eager on CPU, counters,
 in-place updates, special outputs, CPU fallback, modes and bad input."""
+import logging
 import sys
 import warnings
 
@@ -224,19 +225,21 @@ def test_unsupported_argument_type_error_names_the_argument():
       'handle; graph inputs must be XLA tensors, ints, floats or bools.')
 
 
-def test_signature_cap_drops_least_recently_used(monkeypatch):
+def test_signature_cap_drops_least_recently_used(monkeypatch, caplog):
   monkeypatch.setattr(config, 'max_signatures_per_graph', 2)
 
   def fn(x):
     return x + 1
 
   compiled = compile_dynamic(fn)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter('always')
+  with caplog.at_level(logging.WARNING, logger='torch_xla_patches'):
     for n in [2, 3, 4, 5]:
       x = torch.randn(n)
       torch.testing.assert_close(compiled(xla(x)).cpu(), x + 1)
-  cap_warnings = [w for w in caught if 'shape signatures' in str(w.message)]
+  cap_warnings = [
+      r for r in caplog.records if r.name == 'torch_xla_patches.bridge' and
+      'more than 2 shape signatures' in r.getMessage()
+  ]
   assert len(cap_warnings) == 1
   assert counters()['DynamoSignatureDropped'] == 2
   (cache,) = [c for c in dynamo_bridge.live_signature_caches() if c.entries
@@ -247,14 +250,16 @@ def test_signature_cap_drops_least_recently_used(monkeypatch):
   assert counters()['DynamoSignatureMiss'] == 5
 
 
-def test_explain_misses_names_the_part_that_differed(monkeypatch, capsys):
+def test_explain_misses_names_the_part_that_differed(monkeypatch, caplog):
   monkeypatch.setattr(config, 'explain_misses', True)
   compiled = compile_dynamic(lambda x: x * 2)
-  compiled(xla(torch.randn(3, 2)))
-  compiled(xla(torch.randn(5, 2)))
+  with caplog.at_level(logging.INFO, logger='torch_xla_patches'):
+    compiled(xla(torch.randn(3, 2)))
+    compiled(xla(torch.randn(5, 2)))
   lines = [
-      line for line in capsys.readouterr().out.splitlines()
-      if 'torch_xla_patches' in line
+      r.getMessage()
+      for r in caplog.records
+      if r.name == 'torch_xla_patches.bridge'
   ]
   assert len(lines) == 2
   assert lines[0].endswith('new shape signature (first of this graph)')

@@ -9,7 +9,7 @@ import torch_xla._dynamo.dynamo_bridge as upstream_bridge
 import torch_xla.core.dynamo_bridge as core_bridge
 
 import torch_xla_patches
-from torch_xla_patches import _patching, dynamo_bridge
+from torch_xla_patches import _patching, config, dynamo_bridge
 
 UPSTREAM_EXTRACT = upstream_bridge.extract_compiled_graph
 
@@ -54,6 +54,27 @@ def test_automatic_dynamic_shapes_can_be_left_alone():
   torch_xla_patches.apply(automatic_dynamic_shapes=False)
   assert torch._dynamo.config.automatic_dynamic_shapes is False
   assert torch_xla_patches.is_applied()
+
+
+def test_revert_restores_every_config_flag_apply_set(tmp_path):
+  before = config.flag_values()
+  torch_xla_patches.apply(automatic_dynamic_shapes=False,
+                          cache_dir=tmp_path,
+                          precompile_mode='interleaved')
+  assert (config.automatic_dynamic_shapes, config.cache_dir,
+          config.precompile_mode) == (False, str(tmp_path), 'interleaved')
+  torch_xla_patches.revert()
+  assert config.flag_values() == before
+
+
+def test_a_refused_apply_changes_nothing(monkeypatch, tmp_path):
+  monkeypatch.setattr(torch_xla, '__version__', '2.7.0')
+  before = config.flag_values()
+  with pytest.raises(RuntimeError, match='found torch_xla 2.7.0'):
+    torch_xla_patches.apply(cache_dir=tmp_path, precompile_mode='off')
+  assert config.flag_values() == before
+  assert not torch_xla_patches.is_applied()
+  assert upstream_bridge.extract_compiled_graph is UPSTREAM_EXTRACT
 
 
 def test_unsupported_torch_xla_version_names_expected_and_found(monkeypatch):

@@ -75,7 +75,7 @@ for batch in (5, 3, 7, 12, 1, 2):
                              rtol=1e-4, atol=1e-4)
 print('misses', met.counter_value('DynamoSignatureMiss') or 0)
 # Saving again keeps the loaded signatures and adds the new ones.
-print('recorded', len(loaded.backend_callable.recorded_signatures().specs))
+print('recorded', len(loaded.backend_callable.recorded_signatures()))
 # torch's saved guards still hold: a static size that differs is refused.
 try:
   loaded(torch.randn(4, 9).to(device))
@@ -224,6 +224,128 @@ def test_another_model_class_is_refused(artifact):
   with pytest.raises(serialization.ArtifactMismatchError,
                      match='model source differs'):
     serialization.load(path, model=torch.nn.Linear(8, 16))
+
+
+DAMAGED_SIGNATURES_SCRIPT = r'''
+import hashlib, io, json, pickle, sys
+sys.path.insert(0, {model_dir!r})
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla_patches
+from torch_xla_patches import serialization
+from tiny_model import TinyNet
+torch_xla_patches.apply()
+device = torch_xla.device()
+
+
+def batch5(signatures):
+  """Index of the record of batch 5 and the position of its input x."""
+  for index, specs in enumerate(signatures['specs']):
+    for position, spec in enumerate(specs):
+      if spec and spec.get('shape', [None])[0] == 5:
+        return index, position
+  raise AssertionError(signatures)
+
+
+def set_sizes(sizes):
+  def damage(signatures):
+    index, position = batch5(signatures)
+    signatures['specs'][index][position]['shape'] = sizes
+  return damage
+
+
+def specs_not_a_list(signatures):
+  index, _ = batch5(signatures)
+  signatures['specs'][index] = 'abc'
+
+
+def list_not_a_list(signatures):
+  signatures['specs'] = 12
+
+
+DAMAGES = dict(size_2_to_the_40=set_sizes([2**40, 8]),
+               negative_size=set_sizes([-3, 8]),
+               text_as_size=set_sizes(['five', 8]),
+               specs_not_a_list=specs_not_a_list,
+               list_not_a_list=list_not_a_list)
+
+
+def damaged_copy(path, out, damage):
+  """The artifact with its recorded signatures damaged and its checksum
+  made valid again: what a buggy writer could produce."""
+  with open(path, 'rb') as f:
+    data = f.read()
+  magic_end = data.index(b'\n') + 1
+  header_end = data.index(b'\n', magic_end)
+  header = json.loads(data[magic_end:header_end])
+  state = pickle.loads(data[header_end + 1:])
+  deserializer, inner = state['compiled_fn']
+  inner_state = pickle.loads(inner)
+  damage(inner_state['signatures'])
+  state['compiled_fn'] = (deserializer, pickle.dumps(inner_state))
+  stream = io.BytesIO()
+  serialization._ClosurePickler(stream).dump(state)
+  payload = stream.getvalue()
+  header.update(payload_sha256=hashlib.sha256(payload).hexdigest(),
+                payload_size=len(payload))
+  with open(out, 'wb') as f:
+    f.write(data[:magic_end] + json.dumps(header).encode() + b'\n' + payload)
+
+
+torch.manual_seed(1)
+cpu_model = TinyNet().eval()
+model = TinyNet().to(device).eval()
+model.load_state_dict(cpu_model.state_dict())
+for name, damage in DAMAGES.items():
+  out = {out_dir!r} + '/' + name + '.xla_aot'
+  damaged_copy({path!r}, out, damage)
+  before = met.counter_value('DynamoSignaturePrecompileSkipped') or 0
+  loaded = torch_xla_patches.load(out, model=model)
+  x = torch.randn(5, 8)
+  with torch.no_grad():
+    expected = cpu_model(x)
+  torch.testing.assert_close(loaded(x.to(device)).cpu(), expected,
+                             rtol=1e-4, atol=1e-4)
+  skipped = (met.counter_value('DynamoSignaturePrecompileSkipped') or 0) - before
+  print('skipped', name, skipped, flush=True)
+'''
+
+
+def test_damaged_recorded_signatures_are_skipped(artifact, tmp_path):
+  """Recorded signatures an artifact holds that fail a check are skipped:
+  the call returns the eager result, a warning names the file, and
+  DynamoSignaturePrecompileSkipped counts each."""
+  model_dir, path = artifact
+  proc = run_python(
+      DAMAGED_SIGNATURES_SCRIPT.format(model_dir=model_dir,
+                                       path=path,
+                                       out_dir=str(tmp_path)))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  skipped = {
+      line.split()[1]: int(line.split()[2])
+      for line in proc.stdout.splitlines()
+      if line.startswith('skipped ')
+  }
+  assert skipped == {
+      'size_2_to_the_40': 1,
+      'negative_size': 1,
+      'text_as_size': 1,
+      'specs_not_a_list': 1,
+      'list_not_a_list': 1,
+  }
+  reasons = {
+      'size_2_to_the_40': 'over the bound',
+      'negative_size': 'non-negative integers',
+      'text_as_size': 'non-negative integers',
+      'specs_not_a_list': "found 'abc'",
+      'list_not_a_list': 'found 12',
+  }
+  for name, reason in reasons.items():
+    (line,) = [
+        line for line in proc.stderr.splitlines()
+        if f'{name}.xla_aot' in line and 'skipped a recorded signature' in line
+    ]
+    assert reason in line, line
 
 
 @pytest.mark.parametrize('damage',

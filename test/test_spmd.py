@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from bridge_testing import run_counters
+from bridge_testing import run_counters, run_python
 
 SPMD_SCRIPT = r'''
 import numpy as np
@@ -43,6 +43,74 @@ def test_spmd_dynamic_shapes_and_sharding_in_signature():
   # (4, data), (12, data) and (4, replicated) are the distinct signatures.
   assert values['misses'] == 3
   assert values['hits'] == 5 - 3 + 1
+
+
+PERSIST_SCRIPT = r'''
+import sys, time
+import numpy as np
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+import torch_xla_patches
+xr.use_spmd()
+torch_xla_patches.apply(cache_dir=CACHE_DIR)
+device = torch_xla.device()
+mesh = xs.Mesh(np.arange(4), (4, 1), ('data', 'model'))
+
+def fn(x, w):
+  return torch.relu(x @ w) + x.shape[0]
+
+compiled = torch.compile(fn, backend='openxla', dynamic=True)
+torch.manual_seed(0)
+w = torch.randn(8, 8)
+w_xla = w.to(device)
+xs.mark_sharding(w_xla, mesh, ('data', None))
+for n in SIZES:
+  x = torch.randn(n, 8)
+  x_xla = x.to(device)
+  xs.mark_sharding(x_xla, mesh, SPEC)
+  torch.testing.assert_close(compiled(x_xla, w_xla).cpu(), fn(x, w),
+                             rtol=1e-4, atol=1e-4)
+  print('after', n, met.counter_value('DynamoSignatureMiss') or 0,
+        met.counter_value('DynamoSignaturePrecompiled') or 0,
+        met.counter_value('DynamoSignaturePrecompileSkipped') or 0, flush=True)
+'''
+
+
+def serve_sharded(cache_dir, sizes, spec):
+  code = PERSIST_SCRIPT.replace('CACHE_DIR', repr(str(cache_dir))).replace(
+      'SIZES', repr(sizes)).replace('SPEC', repr(spec))
+  proc = run_python(code, env={'CPU_NUM_DEVICES': '4'})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return [
+      tuple(int(v)
+            for v in line.split()[1:])
+      for line in proc.stdout.splitlines()
+      if line.startswith('after')
+  ]
+
+
+def test_sharded_graph_signatures_persist_across_restarts(tmp_path):
+  """A restarted process replays the sharded graph's recorded signatures,
+  each with the live input's sharding, before its first call returns."""
+  assert serve_sharded(tmp_path, [4, 12, 16], ('data', None)) == [(4, 1, 0, 0),
+                                                                  (12, 2, 0, 0),
+                                                                  (16, 3, 0, 0)]
+  # Same shardings: 12 and 16 compiled before the first call (4) returns;
+  # every later call is a hit.
+  assert serve_sharded(tmp_path, [4, 16, 12], ('data', None)) == [(4, 1, 2, 0),
+                                                                  (16, 1, 2, 0),
+                                                                  (12, 1, 2, 0)]
+
+
+def test_records_of_another_sharding_are_skipped_and_counted(tmp_path):
+  serve_sharded(tmp_path, [4, 12], ('data', None))
+  # x replicated now: the graph is the same, the recorded x shardings are
+  # not, so both records (4 and 12, sharded) are skipped, and 12 is compiled
+  # on demand.
+  assert serve_sharded(tmp_path, [4, 12], (None, None)) == [(4, 1, 0, 2),
+                                                            (12, 2, 0, 2)]
 
 
 if __name__ == '__main__':

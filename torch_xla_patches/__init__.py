@@ -7,7 +7,9 @@ replaces `extract_compiled_graph` of torch_xla's dynamo bridge with the one in
 `torch_xla_patches.dynamo_bridge`. `revert()` restores everything apply()
 changed.
 """
+import logging
 import os
+import sys
 import threading
 from typing import Any, Optional
 
@@ -54,24 +56,22 @@ def apply(*,
           persistent_executables: Optional[bool] = None) -> None:
   """Installs the patched bridge. Safe to call more than once.
 
+  Arguments that are not None set the config flag of the same name (see
+  config.py); revert() restores them.
+
   Args:
     automatic_dynamic_shapes: turn dynamo's automatic dynamic shapes back on
-      (see config.automatic_dynamic_shapes); None keeps the config value.
+      (config.automatic_dynamic_shapes).
     cache_dir: directory of the persistent signature index
       (config.cache_dir, env XLA_PATCHES_CACHE_DIR).
     precompile_mode: 'sync', 'interleaved' or 'off' (config.precompile_mode).
     persistent_executables: also call xr.initialize_cache(<cache_dir>/xla);
       must happen before the first XLA compile of the process.
   """
-  if precompile_mode is not None:
-    if precompile_mode not in config.PRECOMPILE_MODES:
-      raise ValueError(f'precompile_mode must be one of '
-                       f'{config.PRECOMPILE_MODES}, got {precompile_mode!r}')
-    config.precompile_mode = precompile_mode
-  if cache_dir is not None:
-    config.cache_dir = os.fspath(cache_dir)
-  if persistent_executables is not None:
-    config.persistent_executables = persistent_executables
+  if precompile_mode is not None and precompile_mode not in (
+      config.PRECOMPILE_MODES):
+    raise ValueError(f'precompile_mode must be one of '
+                     f'{config.PRECOMPILE_MODES}, got {precompile_mode!r}')
   global _decompositions_installed
   import torch
   import torch._dynamo
@@ -82,8 +82,8 @@ def apply(*,
   with _lock:
     if is_applied():
       return
+    # Everything that can refuse runs before anything changes.
     _check_versions(torch.__version__, torch_xla.__version__)
-    from torch_xla_patches import dynamo_bridge
     for module in (upstream_bridge, core_bridge):
       target = _patching.PatchTarget(module, 'extract_compiled_graph')
       current = getattr(module, 'extract_compiled_graph', None)
@@ -92,34 +92,60 @@ def apply(*,
             f'torch_xla_patches cannot patch {target.describe()}: expected a '
             'function, found nothing.')
       _patching.check_signature(target, current, ('xla_model', 'xla_args'))
+    index_dir = config.cache_dir if cache_dir is None else os.fspath(cache_dir)
+    if persistent_executables is None:
+      persistent_executables = config.persistent_executables
+    if (persistent_executables and index_dir and
+        torch_xla._XLAC._xla_computation_cache_is_initialized()):
+      raise RuntimeError(
+          'torch_xla_patches.apply(persistent_executables=True) must run '
+          'before the first XLA computation of the process.')
+    from torch_xla_patches import dynamo_bridge
+    from torch_xla_patches import serialization
+
+    flags = {
+        'automatic_dynamic_shapes': automatic_dynamic_shapes,
+        'cache_dir': None if cache_dir is None else os.fspath(cache_dir),
+        'precompile_mode': precompile_mode,
+        'persistent_executables': persistent_executables,
+    }
+    for name, value in flags.items():
+      if value is not None:
+        _registry.set(config, name, value)
+    _install_log_handler()
     for module in (upstream_bridge, core_bridge):
       _registry.set(module, 'extract_compiled_graph',
                     dynamo_bridge.extract_compiled_graph)
-    if automatic_dynamic_shapes is None:
-      automatic_dynamic_shapes = config.automatic_dynamic_shapes
-    if automatic_dynamic_shapes:
+    if config.automatic_dynamic_shapes:
       _registry.set(torch._dynamo.config, 'automatic_dynamic_shapes', True)
     if not config.cpp_symbolic_shape_guards:
       _registry.set(torch._dynamo.config, 'enable_cpp_symbolic_shape_guards',
                     False)
     if config.persistent_executables and config.cache_dir:
-      _initialize_executable_cache(config.cache_dir)
+      import torch_xla.runtime as xr
+      xr.initialize_cache(os.path.join(config.cache_dir, 'xla'), readonly=False)
     if config.install_decompositions:
       from torch_xla_patches import decompositions
       decompositions.install()
       _decompositions_installed = True
-    from torch_xla_patches import serialization
     serialization.register_backend()
 
 
-def _initialize_executable_cache(cache_dir: str) -> None:
-  import torch_xla
-  import torch_xla.runtime as xr
-  if torch_xla._XLAC._xla_computation_cache_is_initialized():
-    raise RuntimeError(
-        'torch_xla_patches.apply(persistent_executables=True) must run before '
-        'the first XLA computation of the process.')
-  xr.initialize_cache(os.path.join(cache_dir, 'xla'), readonly=False)
+def _install_log_handler() -> None:
+  """Shows the package's log records (warnings, and the progress and
+  explanations the flags turn on) on stderr, one plain line each, unless the
+  application configured the `torch_xla_patches` logger itself."""
+  package_logger = logging.getLogger(__name__)
+  if package_logger.handlers:
+    return
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter('%(message)s'))
+  _registry.set(package_logger, 'handlers', [handler])
+  _registry.set(package_logger, 'propagate', False)
+  if package_logger.level == logging.NOTSET:
+    _registry.set(package_logger, 'level', logging.INFO)
+    # setLevel also clears the enabled-for caches of the child loggers.
+    package_logger.setLevel(logging.INFO)
 
 
 def precompile(compiled_fn, specs, progress: bool = True):
@@ -145,6 +171,8 @@ def revert() -> None:
   global _decompositions_installed
   with _lock:
     _registry.revert_all()
+    package_logger = logging.getLogger(__name__)
+    package_logger.setLevel(package_logger.level)
     from torch_xla_patches import serialization
     serialization.unregister_backend()
     if _decompositions_installed:

@@ -5,15 +5,20 @@ This module mirrors torch_xla/_dynamo/dynamo_bridge.py (torch_xla 2.9.0):
 -> `extract_graph_helper`, with `GraphInputMatcher` building the XLA inputs of
 a call. What differs from upstream, and why, is written down in the Notes.
 """
+import atexit
 import collections
 import dataclasses
+import enum
 import itertools
+import logging
 import operator
 import os
+import time
 import warnings
 import weakref
 from numbers import Number
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, DefaultDict, Deque, Dict, Hashable, List,
+                    Optional, Sequence, Set, Tuple)
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -29,6 +34,8 @@ from torch_xla._dynamo.dynamo_bridge import XLAConstructorMoverPass
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from torch_xla_patches import config
+from torch_xla_patches import fingerprint
+from torch_xla_patches import persistent
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
                                          check_scalar_input, describe_arg,
@@ -48,12 +55,18 @@ COUNTER_MISS = 'DynamoSignatureMiss'  # a new signature was traced + compiled
 COUNTER_RETRACE = 'DynamoEvictedRetrace'  # XLA evicted a program; re-traced
 COUNTER_DROPPED = 'DynamoSignatureDropped'  # over the cap, LRU entry dropped
 COUNTER_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'  # graph partitioned
-COUNTER_PRECOMPILED = 'DynamoSignaturePrecompiled'  # compiled from the index
+COUNTER_PRECOMPILED = 'DynamoSignaturePrecompiled'  # a recorded one compiled
+# A recorded signature (index or artifact) that failed a check, or whose
+# rebuild, trace or compile raised; or an index file that did not parse.
+COUNTER_PRECOMPILE_SKIPPED = 'DynamoSignaturePrecompileSkipped'
 
 _EVICTED_MESSAGE = 'Failed to get computation by hash'
 _PENDING_IR_MESSAGE = 'can not be a pending ir'
 
 _increment_counter = torch_xla._XLAC._xla_increment_counter
+
+logger = logging.getLogger('torch_xla_patches.bridge')
+progress_logger = logging.getLogger('torch_xla_patches.precompile')
 
 
 class GraphInputMatcher:
@@ -314,65 +327,35 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   if dynamo_debug:
     print(f'Graph Module:\n{xla_model.code}')
   restore = _PendingRestore([args[i] for i in tensor_positions])
+  # A trace or compile that raises must still leave the arguments as they
+  # were and no pending IR behind: replaying a recorded signature skips
+  # such a failure and the caller's call goes on.
+  try:
+    outputs = _flatten_outputs(xla_model(*args))
+    # IR/data identity of each argument after the trace, for aliases among
+    # outputs and graph inputs.
+    position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
+    graph_tensors, output_plan = _plan_outputs(args, tensor_positions, outputs,
+                                               position_of_arg_data)
+    graph_hash = b''
+    matcher = GraphInputMatcher({}, (), ())
+    if output_plan.num_results:
+      matcher = _match_graph_inputs(graph_tensors, tensor_id_to_position,
+                                    position_of_arg_data)
+      if dynamo_debug:
+        print(f'Number of HLO inputs: {len(matcher.arg_idxs)}, outputs: '
+              f'{output_plan.num_results}')
+        print(torch_xla._XLAC._get_xla_tensors_text(graph_tensors))
+      with alias_with_buffer_donor_config():
+        graph_hash = torch_xla._XLAC._get_graph_hash(graph_tensors)
+        torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
 
-  outputs = _flatten_outputs(xla_model(*args))
-  # IR/data identity of each argument after the trace, for aliases among
-  # outputs and graph inputs.
-  position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
-  graph_tensors, output_plan = _plan_outputs(args, tensor_positions, outputs,
-                                             position_of_arg_data)
-  graph_hash = b''
-  matcher = GraphInputMatcher({}, (), ())
-  if output_plan.num_results:
-    matcher = _match_graph_inputs(graph_tensors, tensor_id_to_position,
-                                  position_of_arg_data)
-    if dynamo_debug:
-      print(f'Number of HLO inputs: {len(matcher.arg_idxs)}, outputs: '
-            f'{output_plan.num_results}')
-      print(torch_xla._XLAC._get_xla_tensors_text(graph_tensors))
-    with alias_with_buffer_donor_config():
-      graph_hash = torch_xla._XLAC._get_graph_hash(graph_tensors)
-      torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
-
-  restore.restore()
+  finally:
+    restore.restore()
   return CompiledGraphEntry(graph_hash=graph_hash,
                             graph_input_matcher=matcher,
                             output_plan=output_plan,
                             signature=layout.signature_of(args))
-
-
-class _GraphPersistence:
-  """A graph's link to the persistent signature index (config.cache_dir)."""
-
-  def __init__(self, index, fingerprint, layout: ArgLayout):
-    self.index = index
-    self.fingerprint = fingerprint
-    self.layout = layout
-
-  @classmethod
-  def create(cls, xla_model,
-             layout: ArgLayout) -> Optional['_GraphPersistence']:
-    if not config.cache_dir or layout.spmd:
-      # Shardings cannot be rebuilt from a record, so SPMD graphs are not
-      # persisted.
-      return None
-    from torch_xla_patches import fingerprint, persistent
-    return cls(persistent.SignatureIndex(config.cache_dir),
-               fingerprint.graph_fingerprint(xla_model, layout), layout)
-
-  def recorded_specs(self) -> List[Tuple[Any, ...]]:
-    specs = self.index.load(self.fingerprint, self.layout)
-    if not specs and config.explain_cache:
-      print(
-          f'[torch_xla_patches] no recorded signatures for graph '
-          f'{self.fingerprint.key}: {self.index.explain_miss(self.fingerprint)}',
-          flush=True)
-    return specs
-
-  def record(self, args: Sequence[Any]) -> None:
-    from torch_xla_patches import persistent
-    self.index.record(self.fingerprint, self.layout,
-                      [persistent.input_specs(self.layout, args)])
 
 
 _graph_ids = itertools.count()
@@ -384,14 +367,65 @@ def live_signature_caches() -> List['SignatureCache']:
   return sorted(_live_caches, key=lambda cache: cache.graph_id)
 
 
+def _flush_all_usage() -> None:
+  for cache in live_signature_caches():
+    cache.flush_usage()
+
+
+def _compile_stats() -> Tuple[int, float]:
+  """XLA compiles so far in this process, and their seconds."""
+  data = metrics.metric_data('CompileTime')
+  if not data:
+    return 0, 0.0
+  return data[0], data[1] / 1e9
+
+
+class BacklogOutcome(enum.Enum):
+  COMPILED = 'compiled'
+  # Already compiled in this process (served before its turn came).
+  KNOWN = 'known'
+  # Failed a check, or its rebuild, trace or compile raised.
+  SKIPPED = 'skipped'
+
+
+@dataclasses.dataclass(frozen=True)
+class BacklogStep:
+  """What happened to one recorded signature taken from a backlog."""
+  record: persistent.RecordedSignature
+  outcome: BacklogOutcome
+  # Why it was skipped ('' otherwise).
+  reason: str
+  seconds: float
+  compile_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class BacklogReport:
+  """What one drain_backlog() call did."""
+  compiled: int
+  skipped: int
+  # Recorded signatures still queued.
+  remaining: int
+
+
 class SignatureCache:
-  """The entries of one graph, keyed by signature, least recently used first.
+  """The entries of one graph, keyed by signature, least recently used first,
+  and its backlog of recorded signatures not compiled yet.
 
   [Note: Dynamo real-time input-shape cache look-up]
-  Upstream keys a dict on the tuple of all number arguments and stores an
-  8-tuple per key. Here the key comes from `ArgLayout.key_function()` (see
-  [Note: Shape signatures]); entries are `CompiledGraphEntry`s in an ordered
-  dict so a cap can drop the least recently used one.
+  The key of a call comes from `ArgLayout.key_function()` (see [Note: Shape
+  signatures]); entries are `CompiledGraphEntry`s in an ordered dict so a cap
+  can drop the least recently used one.
+
+  [Note: Replaying recorded signatures]
+  Recorded signatures (from the persistent index, or from an artifact through
+  `queue_recorded`) wait in the backlog, most served first.
+  `drain_backlog` compiles them from a live call's arguments: parameters and
+  static tensors as they are, zeros of the recorded sizes for the others. A
+  record is checked before anything is allocated (persistent.
+  check_replayable); one that fails, or whose rebuild, trace or compile
+  raises, is skipped, counted (DynamoSignaturePrecompileSkipped) and named in
+  one warning per graph. The caller's own call never fails because of one.
   """
 
   def __init__(self, xla_model: torch.fx.GraphModule, layout: ArgLayout):
@@ -402,11 +436,30 @@ class SignatureCache:
     self.entries: 'collections.OrderedDict[Hashable, CompiledGraphEntry]' = (
         collections.OrderedDict())
     self._warned_cap = False
-    # Persistent signature index of this graph, if configured.
-    self.persistence = _GraphPersistence.create(xla_model, layout)
-    # Recorded input specs not compiled yet in this process.
-    self.backlog: List[Tuple[Any, ...]] = []
+    self._warned_skip = False
+    self._backlog: Deque[persistent.RecordedSignature] = collections.deque()
+    self._queued_ids: Set[str] = set()
+    # Whether drain_backlog ran since the last served call.
+    self._replayed_in_call = False
+    # Record id of each entry's signature, for usage counts.
+    self._record_ids: Dict[Hashable, str] = {}
+    self.index: Optional[persistent.GraphIndex] = None
+    # Calls served per key since the last usage flush (None: no index).
+    self.served: Optional[DefaultDict[Hashable, int]] = None
+    self.next_usage_flush = 0.0
+    if config.cache_dir:
+      self.index = persistent.GraphIndex(
+          config.cache_dir, fingerprint.graph_fingerprint(xla_model, layout),
+          layout)
+      self.served = collections.defaultdict(int)
+      self.next_usage_flush = time.monotonic() + config.usage_flush_seconds
+      global _flush_registered
+      if not _flush_registered:
+        _flush_registered = True
+        atexit.register(_flush_all_usage)
     _live_caches.add(self)
+
+  # -- entries
 
   def trace(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
     entry = extract_graph_helper(self.xla_model, args, self.layout)
@@ -418,51 +471,24 @@ class SignatureCache:
       _increment_counter(COUNTER_DROPPED, 1)
       if not self._warned_cap:
         self._warned_cap = True
-        warnings.warn(
-            f'torch_xla_patches: graph {self.graph_id} has more than {cap} '
-            'shape signatures; dropping the least recently used ones. Raise '
-            'XLA_PATCHES_MAX_SIGNATURES (0: no cap) or pad shapes into buckets.'
-        )
+        logger.warning(
+            'torch_xla_patches: graph %d has more than %d shape signatures; '
+            'dropping the least recently used ones. Raise '
+            'XLA_PATCHES_MAX_SIGNATURES (0: no cap) or pad shapes into '
+            'buckets.', self.graph_id, cap)
     return entry
 
   def on_miss(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
     _increment_counter(COUNTER_MISS, 1)
     if config.explain_misses:
-      print(self.explain_miss(args), flush=True)
+      logger.info('%s', self.explain_miss(args))
     entry = self.trace(key, args)
-    if self.persistence is not None:
-      self.persistence.record(args)
+    if self.index is not None:
+      record = persistent.make_record(self.layout, args)
+      self._record_ids[key] = record.record_id
+      self.index.record(record)
+      self.maybe_flush_usage()
     return entry
-
-  def load_backlog(self, current_args: Sequence[Any]) -> None:
-    """Queues the recorded signatures other than `current_args`' own."""
-    if self.persistence is not None:
-      from torch_xla_patches import persistent
-      current = persistent.input_specs(self.layout, current_args)
-      self.backlog = [
-          specs for specs in self.persistence.recorded_specs()
-          if list(specs) != list(current)
-      ]
-
-  def precompile_next(self, live_args: Sequence[Any]) -> bool:
-    """Compiles one recorded signature; False when none is left."""
-    from torch_xla_patches import persistent
-    while self.backlog:
-      specs = self.backlog.pop(0)
-      try:
-        args = persistent.rebuild_args(self.layout, specs, live_args,
-                                       torch_xla.device())
-      except (KeyError, TypeError, ValueError) as e:
-        warnings.warn(f'torch_xla_patches: skipping a recorded signature of '
-                      f'graph {self.graph_id}: {e}')
-        continue
-      key = self.key_of(args)
-      if key in self.entries:
-        continue
-      _increment_counter(COUNTER_PRECOMPILED, 1)
-      self.trace(key, args)
-      return True
-    return False
 
   def explain_miss(self, args: Sequence[Any]) -> str:
     signature = self.layout.signature_of(args)
@@ -477,6 +503,176 @@ class SignatureCache:
   def signatures(self) -> List[ShapeSignature]:
     return [entry.signature for entry in self.entries.values()]
 
+  # -- usage
+
+  def maybe_flush_usage(self) -> None:
+    if time.monotonic() >= self.next_usage_flush:
+      self.flush_usage()
+
+  def flush_usage(self) -> None:
+    """Writes the calls served since the last flush to the index."""
+    if self.index is None:
+      return
+    self.next_usage_flush = time.monotonic() + config.usage_flush_seconds
+    if not self.served:
+      return
+    now = time.time()
+    usage: Dict[str, Tuple[int, float]] = {}
+    for key, count in list(self.served.items()):
+      record_id = self._record_ids.get(key)
+      if record_id is not None:
+        previous = usage.get(record_id, (0, now))[0]
+        usage[record_id] = (previous + count, now)
+    self.served.clear()
+    self.index.write_usage(usage)
+
+  # -- backlog
+
+  @property
+  def backlog_size(self) -> int:
+    return len(self._backlog)
+
+  def queue_recorded(self,
+                     records: Sequence[persistent.RecordedSignature],
+                     except_args: Optional[Sequence[Any]] = None) -> int:
+    """Adds recorded signatures to the backlog, in order, except those
+    queued already and the one of `except_args`; returns how many."""
+    skip_id = None
+    if except_args is not None:
+      skip_id = persistent.record_id_of(
+          persistent.input_specs(self.layout, except_args),
+          persistent.input_shardings(self.layout, except_args))
+    queued = 0
+    for record in records:
+      if record.record_id == skip_id or record.record_id in self._queued_ids:
+        continue
+      self._queued_ids.add(record.record_id)
+      self._backlog.append(record)
+      queued += 1
+    return queued
+
+  def load_recorded(self, live_args: Sequence[Any]) -> int:
+    """Queues what the persistent index recorded for this graph."""
+    if self.index is None:
+      return 0
+    contents = self.index.load()
+    for problem in contents.problems:
+      self._skip(problem.path, problem.reason)
+    if not contents.records and config.explain_cache:
+      logger.info('[torch_xla_patches] no recorded signatures for graph %s: %s',
+                  self.index.fingerprint.key, self.index.explain_miss())
+    return self.queue_recorded(contents.records, except_args=live_args)
+
+  def _skip(self, source: str, reason: str) -> None:
+    _increment_counter(COUNTER_PRECOMPILE_SKIPPED, 1)
+    if self._warned_skip:
+      logger.debug('torch_xla_patches: graph %d skipped %s: %s', self.graph_id,
+                   source, reason)
+      return
+    self._warned_skip = True
+    logger.warning(
+        'torch_xla_patches: graph %d skipped a recorded signature from %s: '
+        '%s. It will be compiled when a call needs it; later skips of this '
+        'graph are counted in %s.', self.graph_id, source, reason,
+        COUNTER_PRECOMPILE_SKIPPED)
+
+  def _replay(self, record: persistent.RecordedSignature,
+              live_args: Sequence[Any], max_bytes: int) -> BacklogStep:
+    start = time.perf_counter()
+    _, compile_seconds_before = _compile_stats()
+    outcome, reason = BacklogOutcome.COMPILED, ''
+    try:
+      persistent.check_replayable(self.layout, record, live_args, max_bytes)
+      args = persistent.rebuild_args(self.layout, record, live_args,
+                                     torch_xla.device())
+      key = self.key_of(args)
+      if key in self.entries:
+        outcome = BacklogOutcome.KNOWN
+      else:
+        self.trace(key, args)
+        self._record_ids[key] = record.record_id
+        _increment_counter(COUNTER_PRECOMPILED, 1)
+    except Exception as error:  # pylint: disable=broad-except
+      # See [Note: Replaying recorded signatures]: whatever a record makes
+      # the rebuild, trace or compile raise, the caller's call goes on.
+      outcome = BacklogOutcome.SKIPPED
+      reason = (str(error) if isinstance(error, persistent.RecordError) else
+                f'{type(error).__name__}: {error}')
+      self._skip(record.source or 'a recorded signature', reason)
+    _, compile_seconds_after = _compile_stats()
+    return BacklogStep(record=record,
+                       outcome=outcome,
+                       reason=reason,
+                       seconds=time.perf_counter() - start,
+                       compile_seconds=compile_seconds_after -
+                       compile_seconds_before)
+
+  def drain_backlog(
+      self,
+      live_args: Sequence[Any],
+      max_count: Optional[int] = None,
+      seconds: Optional[float] = None,
+      on_step: Optional[Callable[[BacklogStep, int, int], None]] = None
+  ) -> BacklogReport:
+    """Compiles queued signatures from `live_args`, most served first.
+
+    Args:
+      live_args: the arguments of a call of this graph.
+      max_count: compile (or skip) at most this many; None: no bound.
+      seconds: start no signature after this many seconds; None: no bound.
+      on_step: called after each signature with (step, its number, the
+        number this call may take); None logs a progress line when
+        config.precompile_progress is set.
+    """
+    total = len(self._backlog)
+    if max_count is not None:
+      total = min(total, max_count)
+    on_step = on_step or self._log_step
+    max_bytes = persistent.replay_bytes_limit(self.layout, live_args)
+    start = time.perf_counter()
+    compiled = skipped = taken = 0
+    while self._backlog and taken < total:
+      if seconds is not None and time.perf_counter() - start >= seconds:
+        break
+      record = self._backlog.popleft()
+      taken += 1
+      step = self._replay(record, live_args, max_bytes)
+      compiled += step.outcome == BacklogOutcome.COMPILED
+      skipped += step.outcome == BacklogOutcome.SKIPPED
+      on_step(step, taken, total)
+    if compiled:
+      persistent.check_persistent_executables()
+    self._replayed_in_call = True
+    return BacklogReport(compiled=compiled,
+                         skipped=skipped,
+                         remaining=len(self._backlog))
+
+  def replay_after_call(self, live_args: Sequence[Any]) -> None:
+    """Compiles one backlog signature after a served call, unless the call
+    already replayed some (the first call of a restart in 'sync' mode), so
+    that call waits for at most the sync bound."""
+    if self._replayed_in_call:
+      self._replayed_in_call = False
+      return
+    self.drain_backlog(live_args, max_count=1)
+    self._replayed_in_call = False
+
+  def _log_step(self, step: BacklogStep, number: int, total: int) -> None:
+    if not config.precompile_progress:
+      return
+    width = len(str(total))
+    what = f'graph {self.graph_id} {step.record.describe()}'
+    if step.outcome == BacklogOutcome.SKIPPED:
+      detail = f'skipped: {step.reason}'
+    else:
+      detail = (f'{step.seconds:6.2f} s (xla compile '
+                f'{step.compile_seconds:5.2f} s)')
+    progress_logger.info('[precompile %*d/%d] %-28s %s', width, number, total,
+                         what, detail)
+
+
+_flush_registered = False
+
 
 def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
   """Materializes the tensors that have pending IR, blocking."""
@@ -490,6 +686,10 @@ def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
                                     sync_xla_data=True)
 
 
+def _bound(value: float) -> Optional[float]:
+  return value if value > 0 else None
+
+
 def extract_internal(xla_model: torch.fx.GraphModule):
   """Compiles the first signature now; returns the per-call function."""
   first_args = xla_model.xla_args
@@ -498,12 +698,15 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   if dynamo_debug:
     print(f'[torch_xla_patches] graph {cache.graph_id} layout: {layout.kinds}')
   cache.on_miss(cache.key_of(first_args), first_args)
-  cache.load_backlog(first_args)
-  if cache.backlog and config.precompile_mode == 'sync':
-    from torch_xla_patches import warmup
-    warmup.precompile_backlog(cache, first_args)
+  cache.load_recorded(first_args)
+  if config.precompile_mode == 'sync':
+    cache.drain_backlog(first_args,
+                        max_count=_bound(config.replay_sync_max_signatures),
+                        seconds=_bound(config.replay_sync_seconds))
   del xla_model.xla_args
-  backlog = cache.backlog
+  backlog = cache._backlog
+  served = cache.served
+  monotonic = time.monotonic
 
   key_of = cache.key_of
   entries = cache.entries
@@ -565,8 +768,14 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     else:
       results = []
     outputs = plan.assemble(results, args)
-    if backlog and config.precompile_mode == 'interleaved':
-      cache.precompile_next(args)
+    if served is not None:
+      served[key] += 1
+      if monotonic() >= cache.next_usage_flush:
+        cache.flush_usage()
+    if backlog and config.precompile_mode != 'off':
+      # What a sync replay left, or every recorded signature in
+      # 'interleaved' mode: one per served call.
+      cache.replay_after_call(args)
     return outputs
 
   optimized_mod.signature_cache = cache

@@ -1,71 +1,128 @@
-"""The on-disk signature index: which shape signatures each graph has seen.
+"""The on-disk signature index: the shape signatures each graph has seen, and
+how often and how recently each was served.
 
-Layout: <cache_dir>/signatures/<fingerprint key>.json, one file per graph
-fingerprint (see [Note: Graph fingerprint]):
-  {"format_version": 1, "fingerprint": key, "parts": {name: value},
-   "kinds": [arg kinds], "signatures": [[input spec per position], ...]}
-An input spec is null (a parameter or static tensor, taken from the live
-call), {"value": v} for a number, or {"shape": [...], "dtype": "float32"} for
-a tensor with symbolic sizes.
+Layout (format 2), one directory per graph fingerprint (see [Note: Graph
+fingerprint]), under <cache_dir>/signatures/<fingerprint key>/:
+  graph.json                the fingerprint's parts and the graph's input kinds
+  sig-<id>.json             one recorded signature
+  usage-<writer>-<n>.json   what one process served between two flushes
+  snapshot-<generation>.json  usage summed over the usage files it covers
+  claim-<generation>        taken by the compaction that writes that snapshot
+A signature record holds one input spec per graph input: null (a parameter or
+a static tensor, taken from the live call), {"value": v} for a number, or a
+tensor spec (see io_utils) for a tensor with symbolic sizes; and, under SPMD,
+the sharding spec of each tensor input.
 
-[Note: Index file safety]
-Writers take an exclusive flock on <file>.lock, read the current file, add
-their signatures (a set union), write a temp file in the same directory,
-fsync it and rename it over the old one. Readers never see a partial file,
-and concurrent writers never lose each other's signatures. A file that does
-not parse, has another format version, or names another fingerprint is
-ignored with a warning: the index only ever chooses which signatures to
-compile from the live graph, so ignoring it costs time, never correctness.
+[Note: Index writes without locks]
+Shared file systems (NFS without a lock daemon, GCS FUSE) may not support
+flock, so no writer locks anything. Every file is written once, to a temp file
+renamed into place, and never changed afterwards:
+  * sig-<id>.json is named by a digest of its content, so processes recording
+    the same signature write the same bytes;
+  * a usage file is named by its writer (host, pid, a random token) and a
+    sequence number, so no two processes write the same name;
+  * a compaction (more than COMPACT_USAGE_FILES usage files, or more records
+    than config.index_max_signatures) first creates claim-<generation> with
+    O_EXCL; if another process holds a fresh claim, or the file system has no
+    exclusive create, it does nothing. It writes snapshot-<generation>, which
+    names the usage files it summed, then removes those, older snapshots and
+    claims, and the records over the cap (least served first).
+Readers take the newest snapshot that parses and add the usage files it does
+not cover. A reader racing a compaction may undercount usage for that one
+read; concurrent writers never lose each other's records, and a record leaves
+the index only by the cap.
+
+[Note: Index contents are untrusted]
+Everything read from disk is type-checked here (`parse_specs`,
+`parse_shardings`), and every record is checked against the live call
+(`check_replayable`) before anything is allocated or traced. A file that
+fails is reported with its path and the reason and skipped: the index only
+chooses which signatures to compile from the live graph, so skipping costs
+time, never correctness, and nothing in a cache directory can make a call
+fail.
 """
-import contextlib
 import dataclasses
-import fcntl
+import errno
+import hashlib
+import itertools
 import json
+import logging
+import math
 import os
-import tempfile
+import re
+import secrets
+import socket
 import time
-import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from torch_xla_patches.fingerprint import GraphFingerprint
+from torch_xla_patches import config
+from torch_xla_patches import io_utils
+from torch_xla_patches.fingerprint import FingerprintPart, GraphFingerprint
 from torch_xla_patches.signature import ArgKind, ArgLayout
 
-FORMAT_VERSION = 1
+logger = logging.getLogger('torch_xla_patches.index')
+
+FORMAT_VERSION = 2
 SIGNATURES_DIR = 'signatures'
+GRAPH_FILE = 'graph.json'
+RECORD_PREFIX = 'sig-'
+USAGE_PREFIX = 'usage-'
+SNAPSHOT_PREFIX = 'snapshot-'
+CLAIM_PREFIX = 'claim-'
+TEMP_PREFIX = '.tmp-'
+# A flush that leaves more usage files than this compacts them.
+COMPACT_USAGE_FILES = 32
+# A claim this old with no snapshot of its generation belongs to a
+# compaction that died; the next one may take a later generation.
+CLAIM_TIMEOUT_SECONDS = 300.0
+# Temp files this old were left by a writer that died.
+STALE_TEMP_SECONDS = 3600.0
 
 InputSpec = Optional[Dict[str, Any]]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-  return str(dtype).replace('torch.', '')
+class RecordError(ValueError):
+  """A record that cannot be used; the message says why."""
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
-  dtype = getattr(torch, name, None)
-  if not isinstance(dtype, torch.dtype):
-    raise ValueError(f'unknown dtype {name!r}')
-  return dtype
+@dataclasses.dataclass(frozen=True)
+class RecordedSignature:
+  """One recorded signature of a graph, with its usage."""
+  # Digest of specs and shardings; the record's file is sig-<record_id>.json.
+  record_id: str
+  # One input spec per graph input (see the module docstring).
+  specs: Tuple[InputSpec, ...]
+  # Sharding spec of each tensor input (None for other inputs) under SPMD;
+  # None for a graph without SPMD.
+  shardings: Optional[Tuple[Optional[str], ...]]
+  # Calls served with this signature, summed over the processes that flushed.
+  served: int = 0
+  # When it was last served (or recorded), seconds since the epoch.
+  last_served: float = 0.0
+  # The file or artifact it was read from, for messages.
+  source: str = ''
+
+  def describe(self) -> str:
+    parts = []
+    for position, spec in enumerate(self.specs):
+      if spec is None:
+        continue
+      if 'value' in spec:
+        parts.append(f'{position}={spec["value"]}')
+      else:
+        parts.append(f'{position}:{io_utils.describe_tensor_spec(spec)}')
+    return ' '.join(parts) or '(static)'
 
 
-def tensor_spec(tensor: torch.Tensor) -> Dict[str, Any]:
-  """A tensor's sizes and dtype, as recorded in index files and artifacts."""
-  return {
-      'shape': [int(s) for s in tensor.shape],
-      'dtype': _dtype_name(tensor.dtype)
-  }
-
-
-def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
-                    device: Any) -> torch.Tensor:
-  """Zeros made on the host and copied: zeros made on the device would be a
-  small XLA program of their own, compiled once per shape."""
-  return torch.zeros(tuple(shape), dtype=dtype).to(device)
-
-
-def tensor_from_spec(spec: Dict[str, Any], device: Any) -> torch.Tensor:
-  return zeros_on_device(spec['shape'], _dtype_from_name(spec['dtype']), device)
+def record_id_of(specs: Sequence[InputSpec],
+                 shardings: Optional[Sequence[Optional[str]]]) -> str:
+  text = io_utils.canonical_json({
+      'specs': list(specs),
+      'shardings': None if shardings is None else list(shardings)
+  })
+  return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def input_specs(layout: ArgLayout,
@@ -76,196 +133,630 @@ def input_specs(layout: ArgLayout,
     if kind in (ArgKind.SHAPE, ArgKind.SCALAR):
       specs.append({'value': arg})
     elif kind == ArgKind.DYNAMIC_TENSOR:
-      specs.append(tensor_spec(arg))
+      specs.append(io_utils.tensor_spec(arg))
     else:
       specs.append(None)
   return tuple(specs)
 
 
-def rebuild_args(layout: ArgLayout, specs: Sequence[InputSpec],
+def input_shardings(layout: ArgLayout,
+                    args: Sequence[Any]) -> Optional[Tuple[Optional[str], ...]]:
+  """The sharding spec of each tensor input under SPMD, else None."""
+  if not layout.spmd:
+    return None
+  import torch_xla
+  positions = layout.tensor_positions
+  specs = torch_xla._XLAC._get_xla_sharding_specs([args[i] for i in positions])
+  by_position = dict(zip(positions, specs))
+  return tuple(by_position.get(i) for i in range(len(layout.kinds)))
+
+
+def make_record(layout: ArgLayout, args: Sequence[Any]) -> RecordedSignature:
+  specs = input_specs(layout, args)
+  shardings = input_shardings(layout, args)
+  return RecordedSignature(record_id=record_id_of(specs, shardings),
+                           specs=specs,
+                           shardings=shardings,
+                           last_served=time.time())
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not (isinstance(value, float) and
+                                                  not math.isfinite(value))
+
+
+def parse_specs(kinds: Sequence[ArgKind], raw: Any) -> Tuple[InputSpec, ...]:
+  """Type-checks recorded input specs against a graph's input kinds."""
+  if not isinstance(raw, list) or len(raw) != len(kinds):
+    raise RecordError(f'expected a list of {len(kinds)} input specs, found '
+                      f'{_short(raw)}')
+  specs: List[InputSpec] = []
+  for position, (kind, spec) in enumerate(zip(kinds, raw)):
+    where = f'input {position} ({kind.value})'
+    if kind in (ArgKind.PARAMETER, ArgKind.TENSOR):
+      if spec is not None:
+        raise RecordError(f'{where}: expected null, found {_short(spec)}')
+      specs.append(None)
+    elif kind in (ArgKind.SHAPE, ArgKind.SCALAR):
+      if not isinstance(spec, dict) or set(spec) != {'value'}:
+        raise RecordError(f'{where}: expected {{"value": ...}}, found '
+                          f'{_short(spec)}')
+      value = spec['value']
+      if kind == ArgKind.SHAPE and not (_is_int(value) and value >= 0):
+        raise RecordError(f'{where}: a size must be a non-negative integer, '
+                          f'found {_short(value)}')
+      if kind == ArgKind.SCALAR and not (isinstance(value, bool) or
+                                         _is_number(value)):
+        raise RecordError(f'{where}: expected a number, found {_short(value)}')
+      specs.append({'value': value})
+    else:
+      if not isinstance(spec, dict) or set(spec) != {'shape', 'dtype'}:
+        raise RecordError(f'{where}: expected a tensor spec, found '
+                          f'{_short(spec)}')
+      shape = spec['shape']
+      if not isinstance(shape, list) or not all(
+          _is_int(size) and size >= 0 for size in shape):
+        raise RecordError(f'{where}: sizes must be non-negative integers, '
+                          f'found {_short(shape)}')
+      try:
+        io_utils.dtype_from_name(spec['dtype'])
+      except ValueError as e:
+        raise RecordError(f'{where}: {e}') from None
+      specs.append({'shape': list(shape), 'dtype': spec['dtype']})
+  return tuple(specs)
+
+
+def parse_shardings(kinds: Sequence[ArgKind],
+                    raw: Any) -> Optional[Tuple[Optional[str], ...]]:
+  if raw is None:
+    return None
+  if not isinstance(raw, list) or len(raw) != len(kinds) or not all(
+      spec is None or isinstance(spec, str) for spec in raw):
+    raise RecordError(f'expected {len(kinds)} sharding specs (strings or '
+                      f'null), found {_short(raw)}')
+  return tuple(raw)
+
+
+def _short(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + '...'
+
+
+def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+  # Python ints: a damaged size cannot overflow the product.
+  return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def replay_bytes_limit(layout: ArgLayout, live_args: Sequence[Any]) -> int:
+  """How many bytes of tensors a replayed record may make (see
+  config.replay_max_bytes)."""
+  if config.replay_max_bytes > 0:
+    return config.replay_max_bytes
+  live = sum(
+      tensor_bytes(live_args[i].shape, live_args[i].dtype)
+      for i in layout.tensor_positions)
+  return max(256 << 20, 8 * live)
+
+
+def check_replayable(layout: ArgLayout, record: RecordedSignature,
+                     live_args: Sequence[Any], max_bytes: int) -> None:
+  """Raises RecordError unless `record` can be rebuilt from `live_args`:
+  specs of the graph's kinds, each tensor of the live input's rank and
+  dtype, at most `max_bytes` of new tensors, and under SPMD the live
+  input's sharding at every tensor position."""
+  raw = record.specs
+  specs = parse_specs(layout.kinds,
+                      list(raw) if isinstance(raw, tuple) else raw)
+  total = 0
+  for position, spec in enumerate(specs):
+    if layout.kinds[position] != ArgKind.DYNAMIC_TENSOR:
+      continue
+    live = live_args[position]
+    dtype = io_utils.dtype_from_name(spec['dtype'])
+    if len(spec['shape']) != live.dim():
+      raise RecordError(f'input {position} has rank {len(spec["shape"])}, the '
+                        f'live input rank {live.dim()}')
+    if dtype != live.dtype:
+      raise RecordError(f'input {position} has dtype {spec["dtype"]}, the '
+                        f'live input {io_utils.dtype_name(live.dtype)}')
+    total += tensor_bytes(spec['shape'], dtype)
+  if total > max_bytes:
+    raise RecordError(f'its tensors would take {total} bytes, over the bound '
+                      f'of {max_bytes} (config.replay_max_bytes)')
+  if layout.spmd:
+    live = input_shardings(layout, live_args)
+    if record.shardings != live:
+      differing = [
+          i for i in layout.tensor_positions
+          if record.shardings is None or record.shardings[i] != live[i]
+      ]
+      raise RecordError('recorded input shardings differ from the live ones '
+                        f'at inputs {differing}')
+
+
+def rebuild_args(layout: ArgLayout, record: RecordedSignature,
                  live_args: Sequence[Any], device: Any) -> List[Any]:
-  """Arguments for tracing a recorded signature: live parameters and static
-  tensors, zero tensors of the recorded sizes, recorded numbers."""
-  if len(specs) != len(layout.kinds):
-    raise ValueError(f'recorded signature has {len(specs)} inputs, the graph '
-                     f'has {len(layout.kinds)}')
+  """Arguments for tracing a checked record (see check_replayable): live
+  parameters and static tensors, zeros of the recorded sizes (with the live
+  input's sharding under SPMD), recorded numbers."""
   args = []
-  for kind, spec, live in zip(layout.kinds, specs, live_args):
+  for kind, spec, live in zip(layout.kinds, record.specs, live_args):
     if kind in (ArgKind.SHAPE, ArgKind.SCALAR):
       args.append(spec['value'])
     elif kind == ArgKind.DYNAMIC_TENSOR:
-      args.append(tensor_from_spec(spec, device))
+      tensor = io_utils.tensor_from_spec(spec, device)
+      if layout.spmd:
+        import torch_xla
+        sharding = torch_xla._XLAC._get_xla_op_sharding(live)
+        if sharding is not None:
+          torch_xla._XLAC._xla_mark_sharding(tensor, sharding)
+      args.append(tensor)
     else:
       args.append(live)
   return args
 
 
-def _freeze(specs: Sequence[InputSpec]) -> str:
-  return json.dumps(list(specs), sort_keys=True)
+@dataclasses.dataclass(frozen=True)
+class IndexProblem:
+  """A file of the index that was skipped."""
+  path: str
+  reason: str
 
 
 @dataclasses.dataclass(frozen=True)
-class IndexFile:
-  """One graph's entry as read from disk."""
-  path: str
-  fingerprint: str
-  parts: Dict[str, str]
-  kinds: Tuple[str, ...]
-  signatures: Tuple[Tuple[InputSpec, ...], ...]
-  updated: float
+class IndexContents:
+  """What the index holds for one graph."""
+  # Most served first, then most recently served; at most the cap.
+  records: Tuple[RecordedSignature, ...]
+  # Record files that failed a check, one per file.
+  problems: Tuple[IndexProblem, ...]
+  # Records past config.index_max_signatures, left for compaction to drop.
+  over_cap: int = 0
 
 
-class IndexFileError(ValueError):
-  """An index file that cannot be used; the message says why."""
+@dataclasses.dataclass
+class _Usage:
+  served: int = 0
+  last_served: float = 0.0
+
+  def add(self, served: int, last_served: float) -> None:
+    self.served += served
+    self.last_served = max(self.last_served, last_served)
 
 
-def _parse(path: str, data: Any) -> IndexFile:
-  if not isinstance(data, dict):
-    raise IndexFileError('not a JSON object')
-  if data.get('format_version') != FORMAT_VERSION:
-    raise IndexFileError(f'format version {data.get("format_version")!r}, '
-                         f'expected {FORMAT_VERSION}')
-  try:
-    signatures = tuple(tuple(sig) for sig in data['signatures'])
-    kinds = tuple(data['kinds'])
-    parts = dict(data['parts'])
-    fingerprint = str(data['fingerprint'])
-  except (KeyError, TypeError, ValueError) as e:
-    raise IndexFileError(f'missing or malformed field: {e}') from None
-  for sig in signatures:
-    if len(sig) != len(kinds):
-      raise IndexFileError('a signature does not match the input kinds')
-  return IndexFile(path, fingerprint, parts, kinds, signatures,
-                   float(data.get('updated', 0)))
-
-
-def read_index_file(path: str) -> IndexFile:
+def _read_json(path: str) -> Any:
   try:
     with open(path, 'r') as f:
-      data = json.load(f)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise IndexFileError(f'unreadable: {e}') from None
-  return _parse(path, data)
+      return json.load(f)
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise RecordError(f'unreadable: {e}') from None
 
 
-class SignatureIndex:
-  """The signature index under one cache directory."""
+def _check_format(data: Any) -> None:
+  if not isinstance(data, dict):
+    raise RecordError('not a JSON object')
+  if data.get('format_version') != FORMAT_VERSION:
+    raise RecordError(f'format version {_short(data.get("format_version"))}, '
+                      f'expected {FORMAT_VERSION}')
 
-  def __init__(self, cache_dir: str):
+
+def _parse_usage_map(raw: Any) -> Dict[str, _Usage]:
+  if not isinstance(raw, dict):
+    raise RecordError('"served" is not an object')
+  usage = {}
+  for record_id, value in raw.items():
+    if not (isinstance(value, list) and len(value) == 2 and
+            _is_int(value[0]) and value[0] >= 0 and _is_number(value[1])):
+      raise RecordError(f'usage of {_short(record_id)} is {_short(value)}, '
+                        'expected [count, seconds]')
+    usage[record_id] = _Usage(value[0], float(value[1]))
+  return usage
+
+
+def _generation(name: str, prefix: str) -> Optional[int]:
+  match = re.fullmatch(re.escape(prefix) + r'(\d+)(\.json)?', name)
+  return int(match.group(1)) if match else None
+
+
+def read_record_file(path: str, fingerprint_key: str,
+                     kinds: Sequence[ArgKind]) -> RecordedSignature:
+  """A record file, checked; RecordError says why it cannot be used."""
+  data = _read_json(path)
+  _check_format(data)
+  if data.get('fingerprint') != fingerprint_key:
+    raise RecordError(f'names fingerprint {_short(data.get("fingerprint"))}')
+  if data.get('kinds') != [kind.value for kind in kinds]:
+    raise RecordError('input kinds differ from the live graph')
+  specs = parse_specs(kinds, data.get('specs'))
+  shardings = parse_shardings(kinds, data.get('shardings'))
+  created = data.get('created')
+  if not _is_number(created):
+    raise RecordError(f'"created" is {_short(created)}, expected seconds')
+  return RecordedSignature(record_id=record_id_of(specs, shardings),
+                           specs=specs,
+                           shardings=shardings,
+                           last_served=float(created),
+                           source=path)
+
+
+_writer_state: Dict[str, Any] = {}
+
+
+def _writer_token() -> str:
+  """Unique per process (and per fork)."""
+  if _writer_state.get('pid') != os.getpid():
+    host = re.sub(r'[^A-Za-z0-9.-]', '_', socket.gethostname())[:40]
+    _writer_state.update(pid=os.getpid(),
+                         token=f'{host}-{os.getpid()}-{secrets.token_hex(4)}',
+                         sequence=itertools.count())
+  return _writer_state['token']
+
+
+class GraphIndex:
+  """The index of one graph: its directory under a cache directory.
+
+  Args:
+    cache_dir: the cache directory (config.cache_dir).
+    fingerprint: the graph's fingerprint.
+    layout: the graph's argument layout.
+  """
+
+  def __init__(self, cache_dir: str, fingerprint: GraphFingerprint,
+               layout: ArgLayout):
     self.cache_dir = cache_dir
-    self.directory = os.path.join(cache_dir, SIGNATURES_DIR)
+    self.fingerprint = fingerprint
+    self.layout = layout
+    self.directory = os.path.join(cache_dir, SIGNATURES_DIR, fingerprint.key)
+    self._kinds = [kind.value for kind in layout.kinds]
+    self._written: set = set()
+    self._warned_write = False
 
-  def path_for(self, fingerprint_key: str) -> str:
-    return os.path.join(self.directory, f'{fingerprint_key}.json')
+  # -- reading
 
-  def files(self) -> Iterator[str]:
-    if not os.path.isdir(self.directory):
-      return iter(())
-    return (os.path.join(self.directory, name)
-            for name in sorted(os.listdir(self.directory))
-            if name.endswith('.json'))
-
-  def load(self, fingerprint: GraphFingerprint,
-           layout: ArgLayout) -> List[Tuple[InputSpec, ...]]:
-    """Recorded signatures of this graph; [] with a warning if unusable."""
-    path = self.path_for(fingerprint.key)
-    if not os.path.exists(path):
-      return []
+  def _names(self) -> List[str]:
     try:
-      entry = read_index_file(path)
-      if entry.fingerprint != fingerprint.key:
-        raise IndexFileError(f'names fingerprint {entry.fingerprint}')
-      kinds = tuple(kind.value for kind in layout.kinds)
-      if entry.kinds != kinds:
-        raise IndexFileError('input kinds differ from the live graph')
-    except IndexFileError as e:
-      warnings.warn(f'torch_xla_patches: ignoring signature index {path}: {e}')
+      return sorted(os.listdir(self.directory))
+    except FileNotFoundError:
       return []
-    return list(entry.signatures)
 
-  @contextlib.contextmanager
-  def _locked(self, path: str):
-    os.makedirs(self.directory, exist_ok=True)
-    with open(path + '.lock', 'a') as lock:
-      fcntl.flock(lock, fcntl.LOCK_EX)
+  def _usage(
+      self, names: Sequence[str]
+  ) -> Tuple[Dict[str, _Usage], List[str], Optional[int]]:
+    """Usage per record id, the usage files summed, and the snapshot's
+    generation (None without one)."""
+    usage: Dict[str, _Usage] = {}
+    covered: set = set()
+    generation = None
+    snapshots = sorted(((_generation(n, SNAPSHOT_PREFIX), n)
+                        for n in names
+                        if _generation(n, SNAPSHOT_PREFIX) is not None),
+                       reverse=True)
+    for gen, name in snapshots:
+      path = os.path.join(self.directory, name)
       try:
-        yield
-      finally:
-        fcntl.flock(lock, fcntl.LOCK_UN)
-
-  def record(self, fingerprint: GraphFingerprint, layout: ArgLayout,
-             signatures: Sequence[Sequence[InputSpec]]) -> None:
-    """Adds signatures to this graph's file; see [Note: Index file safety]."""
-    path = self.path_for(fingerprint.key)
-    kinds = [kind.value for kind in layout.kinds]
-    try:
-      with self._locked(path):
-        known: List[Sequence[InputSpec]] = []
+        data = _read_json(path)
+        _check_format(data)
+        covers = data.get('covers')
+        if not isinstance(covers, list) or not all(
+            isinstance(c, str) for c in covers):
+          raise RecordError('"covers" is not a list of file names')
+        usage = _parse_usage_map(data.get('served'))
+      except RecordError as e:
         if os.path.exists(path):
-          try:
-            entry = read_index_file(path)
-            if entry.fingerprint == fingerprint.key and list(
-                entry.kinds) == kinds:
-              known = list(entry.signatures)
-            else:
-              warnings.warn(f'torch_xla_patches: replacing signature index '
-                            f'{path}: it describes another graph')
-          except IndexFileError as e:
-            warnings.warn(
-                f'torch_xla_patches: replacing signature index {path}: {e}')
-        seen = {_freeze(sig) for sig in known}
-        merged = list(known)
-        for sig in signatures:
-          if _freeze(sig) not in seen:
-            seen.add(_freeze(sig))
-            merged.append(list(sig))
-        payload = {
-            'format_version': FORMAT_VERSION,
-            'fingerprint': fingerprint.key,
-            'parts': fingerprint.as_dict(),
-            'kinds': kinds,
-            'signatures': [list(sig) for sig in merged],
-            'updated': time.time(),
-        }
-        _atomic_write_json(path, payload)
-    except OSError as e:
-      warnings.warn(f'torch_xla_patches: could not write signature index '
-                    f'{path}: {e}')
-
-  def explain_miss(self, fingerprint: GraphFingerprint) -> str:
-    """Why no file matches: the closest stored graph and its differing parts."""
-    best: Optional[Tuple[List[str], str]] = None
-    for path in self.files():
-      try:
-        entry = read_index_file(path)
-      except IndexFileError:
+          logger.warning('torch_xla_patches: ignoring index snapshot %s: %s',
+                         path, e)
         continue
-      differing = fingerprint.differing_parts(entry.parts)
+      covered = set(covers)
+      generation = gen
+      break
+    summed = []
+    for name in names:
+      if not (name.startswith(USAGE_PREFIX) and
+              name.endswith('.json')) or name in covered:
+        continue
+      path = os.path.join(self.directory, name)
+      try:
+        data = _read_json(path)
+        _check_format(data)
+        delta = _parse_usage_map(data.get('served'))
+      except RecordError as e:
+        if os.path.exists(path):  # Else a compaction covered it meanwhile.
+          logger.warning('torch_xla_patches: ignoring usage file %s: %s', path,
+                         e)
+        continue
+      for record_id, item in delta.items():
+        usage.setdefault(record_id, _Usage()).add(item.served, item.last_served)
+      summed.append(name)
+    return usage, summed, generation
+
+  def _records(
+      self, names: Sequence[str]
+  ) -> Tuple[List[RecordedSignature], List[IndexProblem]]:
+    records, problems = [], []
+    for name in names:
+      if not name.startswith(RECORD_PREFIX):
+        continue
+      path = os.path.join(self.directory, name)
+      try:
+        records.append(
+            read_record_file(path, self.fingerprint.key, self.layout.kinds))
+      except RecordError as e:
+        if os.path.lexists(path):  # Else dropped by a compaction meanwhile.
+          problems.append(IndexProblem(path, str(e)))
+    return records, problems
+
+  @staticmethod
+  def _ranked(records: Sequence[RecordedSignature],
+              usage: Dict[str, _Usage]) -> List[RecordedSignature]:
+    ranked = []
+    for record in records:
+      item = usage.get(record.record_id)
+      if item is not None:
+        record = dataclasses.replace(record,
+                                     served=item.served,
+                                     last_served=max(record.last_served,
+                                                     item.last_served))
+      ranked.append(record)
+    ranked.sort(key=lambda r: (-r.served, -r.last_served, r.record_id))
+    return ranked
+
+  def load(self) -> IndexContents:
+    """The graph's records, most served first; never raises."""
+    try:
+      names = self._names()
+      records, problems = self._records(names)
+      usage, _, _ = self._usage(names)
+    except OSError as e:
+      return IndexContents((), (IndexProblem(self.directory, str(e)),))
+    ranked = self._ranked(records, usage)
+    cap = config.index_max_signatures
+    over = max(0, len(ranked) - cap) if cap > 0 else 0
+    return IndexContents(tuple(ranked[:len(ranked) - over]), tuple(problems),
+                         over)
+
+  # -- writing
+
+  def _warn_write(self, error: OSError) -> None:
+    if not self._warned_write:
+      self._warned_write = True
+      logger.warning(
+          'torch_xla_patches: could not write the signature index %s: %s',
+          self.directory, error)
+
+  def _write_once(self, name: str, payload: Dict[str, Any]) -> None:
+    path = os.path.join(self.directory, name)
+    if name in self._written or os.path.exists(path):
+      self._written.add(name)
+      return
+    os.makedirs(self.directory, exist_ok=True)
+    io_utils.atomic_write_json(path, payload)
+    self._written.add(name)
+
+  def record(self, record: RecordedSignature) -> None:
+    """Writes `record` (and the graph file) unless already there."""
+    try:
+      self._write_once(
+          GRAPH_FILE, {
+              'format_version': FORMAT_VERSION,
+              'fingerprint': self.fingerprint.key,
+              'parts': [[p.name, p.value] for p in self.fingerprint.parts],
+              'kinds': self._kinds,
+          })
+      self._write_once(
+          f'{RECORD_PREFIX}{record.record_id}.json', {
+              'format_version': FORMAT_VERSION,
+              'fingerprint': self.fingerprint.key,
+              'kinds': self._kinds,
+              'specs': list(record.specs),
+              'shardings': (
+                  None if record.shardings is None else list(record.shardings)),
+              'created': time.time(),
+          })
+    except OSError as e:
+      self._warn_write(e)
+
+  def write_usage(self, served: Dict[str, Tuple[int, float]]) -> None:
+    """Writes one usage file ({record id: (calls, last served)}), then
+    compacts if the directory needs it."""
+    if not served:
+      return
+    token = _writer_token()
+    name = f'{USAGE_PREFIX}{token}-{next(_writer_state["sequence"])}.json'
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      io_utils.atomic_write_json(
+          os.path.join(self.directory, name), {
+              'format_version': FORMAT_VERSION,
+              'served': {
+                  record_id: [count, when]
+                  for record_id, (count, when) in served.items()
+              },
+          })
+      self.compact(force=False)
+    except OSError as e:
+      self._warn_write(e)
+
+  def _claim(self, names: Sequence[str]) -> Optional[int]:
+    """Takes the next generation's claim; None if another process holds a
+    fresh one or exclusive create is unsupported."""
+    snapshots = [_generation(n, SNAPSHOT_PREFIX) for n in names]
+    claims = [_generation(n, CLAIM_PREFIX) for n in names]
+    newest_snapshot = max((g for g in snapshots if g is not None), default=0)
+    newest_claim = max((g for g in claims if g is not None), default=0)
+    if newest_claim > newest_snapshot:
+      try:
+        age = time.time() - os.path.getmtime(
+            os.path.join(self.directory, f'{CLAIM_PREFIX}{newest_claim}'))
+      except OSError:
+        age = 0.0
+      if age < CLAIM_TIMEOUT_SECONDS:
+        return None
+    generation = max(newest_snapshot, newest_claim) + 1
+    try:
+      fd = os.open(os.path.join(self.directory, f'{CLAIM_PREFIX}{generation}'),
+                   os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return None
+    except OSError as e:
+      if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL,
+                     errno.ENOSYS, errno.EPERM, errno.EACCES):
+        return None
+      raise
+    os.close(fd)
+    return generation
+
+  def compact(self, force: bool = True) -> bool:
+    """Sums usage into a snapshot and drops records over the cap (see
+    [Note: Index writes without locks]); True if it compacted. Without
+    `force`, only when there is something to gain."""
+    names = self._names()
+    usage_files = [
+        n for n in names if n.startswith(USAGE_PREFIX) and n.endswith('.json')
+    ]
+    record_files = [n for n in names if n.startswith(RECORD_PREFIX)]
+    cap = config.index_max_signatures
+    over_cap = cap > 0 and len(record_files) > cap
+    if not force and len(usage_files) <= COMPACT_USAGE_FILES and not over_cap:
+      return False
+    generation = self._claim(names)
+    if generation is None:
+      return False
+    records, _ = self._records(names)
+    usage, summed, _ = self._usage(names)
+    ranked = self._ranked(records, usage)
+    kept = ranked[:cap] if cap > 0 else ranked
+    dropped = ranked[len(kept):]
+    kept_ids = {r.record_id for r in kept}
+    io_utils.atomic_write_json(
+        os.path.join(self.directory, f'{SNAPSHOT_PREFIX}{generation}.json'), {
+            'format_version': FORMAT_VERSION,
+            'generation': generation,
+            'covers': summed,
+            'served': {
+                record_id: [item.served, item.last_served]
+                for record_id, item in usage.items()
+                if record_id in kept_ids
+            },
+        })
+    obsolete = list(summed)
+    obsolete.extend(f'{RECORD_PREFIX}{r.record_id}.json' for r in dropped)
+    for name in names:
+      gen = _generation(name, SNAPSHOT_PREFIX)
+      if gen is None:
+        gen = _generation(name, CLAIM_PREFIX)
+      if gen is not None and gen < generation:
+        obsolete.append(name)
+    obsolete.append(f'{CLAIM_PREFIX}{generation}')
+    now = time.time()
+    for name in names:
+      if name.startswith(TEMP_PREFIX):
+        try:
+          if now - os.path.getmtime(os.path.join(self.directory,
+                                                 name)) > STALE_TEMP_SECONDS:
+            obsolete.append(name)
+        except OSError:
+          pass
+    for name in obsolete:
+      try:
+        os.unlink(os.path.join(self.directory, name))
+      except FileNotFoundError:
+        pass
+    return True
+
+  def explain_miss(self) -> str:
+    """Why no records match: the closest recorded graph's differing parts."""
+    best: Optional[Tuple[List[str], str]] = None
+    for directory in graph_directories(self.cache_dir):
+      try:
+        stored = read_graph_file(directory).fingerprint.as_dict()
+      except RecordError:
+        continue
+      differing = self.fingerprint.differing_parts(stored)
       if best is None or len(differing) < len(best[0]):
-        best = (differing, path)
+        best = (differing, directory)
     if best is None:
       return 'no graph is recorded in this cache directory yet'
     return (f'closest recorded graph {os.path.basename(best[1])} differs in: ' +
-            ', '.join(best[0]))
+            (', '.join(best[0]) or 'nothing (its records were removed)'))
 
 
-def atomic_write_bytes(path: str, data: bytes, prefix: str = '.tmp-') -> None:
-  """Writes `data` to a temp file beside `path`, fsyncs it, renames it over
-  `path`: readers see the old file or the new one, never a part."""
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=prefix)
+def graph_directories(cache_dir: str) -> List[str]:
+  """The per-graph directories under `cache_dir`."""
+  root = os.path.join(cache_dir, SIGNATURES_DIR)
   try:
-    with os.fdopen(fd, 'wb') as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp_path, path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.unlink(tmp_path)
-    raise
+    names = sorted(os.listdir(root))
+  except OSError:
+    return []
+  return [
+      os.path.join(root, n)
+      for n in names
+      if os.path.isdir(os.path.join(root, n))
+  ]
 
 
-def _atomic_write_json(path: str, payload: Dict[str, Any]) -> None:
-  atomic_write_bytes(path,
-                     json.dumps(payload, indent=1, sort_keys=True).encode())
+@dataclasses.dataclass(frozen=True)
+class GraphFile:
+  """A graph directory's graph.json."""
+  fingerprint: GraphFingerprint
+  kinds: Tuple[ArgKind, ...]
+
+
+def read_graph_file(directory: str) -> GraphFile:
+  """A graph directory's graph.json, checked against the directory name."""
+  data = _read_json(os.path.join(directory, GRAPH_FILE))
+  _check_format(data)
+  parts = data.get('parts')
+  kinds = data.get('kinds')
+  if not isinstance(parts, list) or not all(
+      isinstance(p, list) and len(p) == 2 and all(
+          isinstance(s, str) for s in p) for p in parts):
+    raise RecordError('"parts" is not a list of [name, value] strings')
+  known_kinds = {kind.value for kind in ArgKind}
+  if not isinstance(kinds, list) or not all(k in known_kinds for k in kinds):
+    raise RecordError(f'"kinds" is {_short(kinds)}')
+  fingerprint = GraphFingerprint(
+      tuple(FingerprintPart(name, value) for name, value in parts))
+  if fingerprint.key != os.path.basename(directory):
+    raise RecordError(f'its parts hash to {fingerprint.key}, not the '
+                      'directory name')
+  return GraphFile(fingerprint, tuple(ArgKind(k) for k in kinds))
+
+
+def open_graph_directory(directory: str) -> GraphIndex:
+  """The GraphIndex of an existing graph directory, from its graph.json (for
+  tools; the bridge builds its GraphIndex from the live graph)."""
+  graph = read_graph_file(directory)
+  spmd = graph.fingerprint.as_dict().get('spmd') == 'True'
+  return GraphIndex(os.path.dirname(os.path.dirname(directory)),
+                    graph.fingerprint, ArgLayout(kinds=graph.kinds, spmd=spmd))
+
+
+_warned_no_executable_loading = False
+
+
+def check_persistent_executables() -> Optional[bool]:
+  """Whether persisted executables really load: True, False, or None when
+  nothing was tried. Says so once, plainly, when they do not."""
+  global _warned_no_executable_loading
+  if not config.persistent_executables:
+    return None
+  import torch_xla
+  import torch_xla.debug.metrics as metrics
+  failures = metrics.counter_value('PersistentCacheDeserializeFailure') or 0
+  hits = metrics.counter_value('PersistentCacheHit') or 0
+  if failures and not _warned_no_executable_loading:
+    _warned_no_executable_loading = True
+    import torch_xla.runtime as xr
+    logger.warning(
+        'torch_xla_patches: torch_xla %s could not load %d persisted XLA '
+        'executable(s) on %s (PersistentCacheDeserializeFailure). Nothing was '
+        'loaded from disk: the signature index made this process compile '
+        'those programs again.', torch_xla.__version__, failures,
+        xr.device_type())
+  if failures:
+    return False
+  return True if hits else None

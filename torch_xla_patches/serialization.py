@@ -15,7 +15,7 @@ backend, whose callable (`XlaSerializableCallable`) runs the graph through
 the patched bridge (`torch_xla_patches.dynamo_bridge.extract_compiled_graph`)
 and serializes:
   * the FX graph dynamo handed to the backend (`GraphPickler`), and
-  * the shape signatures the bridge compiled for it (`persistent.input_specs`
+  * the shape signatures the bridge compiled for it (`persistent.make_record`
     of each, with the graph's input kinds),
 so the loading process compiles the known signatures before the first request
 (see [Note: Precompile on load]) and any new one on demand.
@@ -51,17 +51,21 @@ import importlib
 import inspect
 import io
 import json
+import logging
 import os
 import pickle
 import platform
 import types
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._dynamo.aot_compile import SerializableCallable
 
+from torch_xla_patches import io_utils
 from torch_xla_patches import persistent
+from torch_xla_patches.signature import ArgKind
+
+logger = logging.getLogger('torch_xla_patches.serialization')
 
 BACKEND_NAME = 'openxla_serializable'
 FORMAT_VERSION = 1
@@ -82,13 +86,49 @@ class ArtifactMismatchError(ArtifactError):
   """The artifact was made for other versions or other model source."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RecordedSignatures:
-  """The shape signatures the bridge compiled for one graph."""
-  # ArgKind values of the graph's inputs, as the saving process saw them.
-  kinds: Tuple[str, ...]
-  # One `persistent.input_specs` tuple per signature, in compile order.
-  specs: Tuple[Tuple[Any, ...], ...]
+def _records_to_state(
+    kinds: Optional[List[str]],
+    records: Sequence[persistent.RecordedSignature]) -> Dict[str, Any]:
+  return {
+      # Informational: each record is checked against the live graph's kinds.
+      'kinds':
+          kinds,
+      'specs': [list(r.specs) for r in records],
+      'shardings': [
+          None if r.shardings is None else list(r.shardings) for r in records
+      ],
+  }
+
+
+def _records_from_state(state: Any) -> Tuple[persistent.RecordedSignature, ...]:
+  """The recorded signatures of a deserialized artifact, unchecked: each is
+  checked against the live graph when it is replayed (see [Note: Index
+  contents are untrusted]), so a damaged one is skipped there, counted and
+  named, never fatal."""
+  if state is None:
+    return ()
+  specs = state.get('specs') if isinstance(state, dict) else state
+  shardings = state.get('shardings') if isinstance(state, dict) else None
+  if not isinstance(specs, list):
+    # Kept as one record that fails its check when replayed, so the damage
+    # is reported and counted like any other.
+    specs = [specs]
+  if not isinstance(shardings, list) or len(shardings) != len(specs):
+    shardings = [None] * len(specs)
+  records = []
+  for index, (raw, raw_shardings) in enumerate(zip(specs, shardings)):
+    try:
+      record_id = persistent.record_id_of(raw, raw_shardings)
+    except (TypeError, ValueError):
+      record_id = f'unreadable-{index}'
+    records.append(
+        persistent.RecordedSignature(
+            record_id=record_id,
+            specs=tuple(raw) if isinstance(raw, list) else raw,
+            shardings=(tuple(raw_shardings)
+                       if isinstance(raw_shardings, list) else raw_shardings),
+            source='the artifact'))
+  return tuple(records)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,32 +237,36 @@ class XlaSerializableCallable(SerializableCallable):
   def __init__(self,
                graph_bytes: bytes,
                graph_module: Optional[torch.fx.GraphModule] = None,
-               recorded: Optional[RecordedSignatures] = None):
+               recorded: Sequence[persistent.RecordedSignature] = ()):
     self._graph_bytes = graph_bytes
     self._graph_module = (graph_module if graph_module is not None else
                           _unpickle_graph(graph_bytes))
     self._single_output = _returns_one_value(self._graph_module)
-    self._recorded = recorded
-    # Kept to be saved again, whether or not they were compiled here.
-    self._loaded_specs = recorded.specs if recorded else ()
+    # From an artifact: queued on the first call, and saved again whether or
+    # not they were compiled here.
+    self._loaded = tuple(recorded)
     self._compiled = None
-    self._key_of = None
-    self._layout = None
-    self._seen: Dict[Any, Tuple[Any, ...]] = {}
-    # The first call's arguments: parameters for later precompiles (the
-    # bridge's precompile_next takes them from a live call).
+    self._cache = None
+    # A record of every signature served here, by key, in first-seen order.
+    self._seen: Dict[Any, persistent.RecordedSignature] = {}
+    # The first call's arguments: the live parameters later replays use.
     self._live_args: Optional[List[Any]] = None
+
+  def name_source(self, source: str) -> None:
+    """Names the file the loaded signatures came from, for messages."""
+    self._loaded = tuple(
+        dataclasses.replace(r, source=source) for r in self._loaded)
 
   # -- running
 
   def __call__(self, *args):
     if self._compiled is None:
       self._compile_first(list(args))
-    key_of = self._key_of
-    if key_of is not None:
-      key = key_of(args)
+    cache = self._cache
+    if cache is not None:
+      key = cache.key_of(args)
       if key not in self._seen:
-        self._remember(key, args)
+        self._seen[key] = persistent.make_record(cache.layout, args)
     out = self._compiled(*args)
     # The bridge unwraps a single output (upstream's convention); dynamo's
     # bytecode indexes the graph's output tuple.
@@ -231,7 +275,7 @@ class XlaSerializableCallable(SerializableCallable):
     return out
 
   def _compile_first(self, args: List[Any]) -> None:
-    from torch_xla_patches import dynamo_bridge
+    from torch_xla_patches import config, dynamo_bridge
     self._compiled = dynamo_bridge.extract_compiled_graph(
         self._graph_module, args)
     cache = getattr(self._compiled, 'signature_cache', None)
@@ -239,88 +283,61 @@ class XlaSerializableCallable(SerializableCallable):
       # The bridge partitioned the graph around CPU fallback ops: each XLA
       # part has its own cache; signatures are then compiled on demand.
       return
-    self._key_of = cache.key_of
-    self._layout = cache.layout
-    self._precompile_recorded(cache, args)
-
-  def _remember(self, key, args) -> None:
-    self._seen[key] = persistent.input_specs(self._layout, args)
-
-  def _precompile_recorded(self, cache, live_args: Sequence[Any]) -> None:
-    """[Note: Precompile on load]
-    The signatures an artifact recorded join the SignatureCache's backlog
-    after the first call's own, and are compiled from that call's live
-    parameters and zero tensors of the recorded sizes
-    (`persistent.rebuild_args`), as config.precompile_mode says: all at once
-    ('sync', the default), one after each call ('interleaved'), or when
-    `CompiledModel.precompile_pending()` is called ('off'). Recorded specs
-    whose input kinds differ from the live graph's are ignored with a
-    warning: they only choose what to compile, never which program runs."""
-    recorded, self._recorded = self._recorded, None
-    if not recorded or not recorded.specs:
-      return
-    kinds = tuple(kind.value for kind in cache.layout.kinds)
-    if tuple(recorded.kinds) != kinds:
-      warnings.warn('torch_xla_patches: the artifact\'s signatures describe '
-                    'other graph inputs; compiling signatures on demand only.')
-      return
-    from torch_xla_patches import config, warmup
-    current = list(persistent.input_specs(cache.layout, live_args))
-    known = {json.dumps(list(s), sort_keys=True) for s in cache.backlog}
-    for specs in recorded.specs:
-      frozen = json.dumps(list(specs), sort_keys=True)
-      if list(specs) != current and frozen not in known:
-        known.add(frozen)
-        cache.backlog.append(tuple(specs))
-    self._live_args = live_args
+    self._cache = cache
+    self._live_args = args
+    # [Note: Precompile on load]
+    # The signatures an artifact recorded join the graph's backlog after the
+    # first call's own and are replayed by the bridge (see [Note: Replaying
+    # recorded signatures]) as config.precompile_mode says: all before the
+    # first call returns ('sync', within the replay bounds; the rest one
+    # after each call), one after each call ('interleaved'), or when
+    # CompiledModel.precompile_pending() is called ('off').
+    cache.queue_recorded(self._loaded, except_args=args)
     if config.precompile_mode == 'sync':
-      warmup.precompile_backlog(cache, live_args)
+      cache.drain_backlog(args,
+                          max_count=config.replay_sync_max_signatures or None,
+                          seconds=config.replay_sync_seconds or None)
 
   def precompile_pending(self) -> int:
     """Compiles the backlog now; returns how many signatures it compiled."""
-    cache = getattr(self._compiled, 'signature_cache', None)
-    if cache is None or not cache.backlog:
+    if self._cache is None or not self._cache.backlog_size:
       return 0
-    from torch_xla_patches import warmup
-    return warmup.precompile_backlog(cache, self._live_args)
+    return self._cache.drain_backlog(self._live_args).compiled
 
-  def recorded_signatures(self) -> Optional[RecordedSignatures]:
-    """Signatures to save: those served here plus those loaded."""
-    if self._layout is None:
-      return self._recorded
-    specs = list(self._seen.values())
-    if self._loaded_specs:
-      frozen = {json.dumps(list(s), sort_keys=True) for s in specs}
-      specs.extend(s for s in self._loaded_specs
-                   if json.dumps(list(s), sort_keys=True) not in frozen)
-    return RecordedSignatures(kinds=tuple(k.value for k in self._layout.kinds),
-                              specs=tuple(tuple(s) for s in specs))
+  def recorded_signatures(self) -> Tuple[persistent.RecordedSignature, ...]:
+    """Signatures to save: those served here, then those loaded."""
+    records = list(self._seen.values())
+    ids = {r.record_id for r in records}
+    records.extend(r for r in self._loaded if r.record_id not in ids)
+    return tuple(records)
 
   # -- SerializableCallable
 
   @classmethod
   def serialize_compile_artifacts(cls, fn: 'XlaSerializableCallable') -> bytes:
-    recorded = fn.recorded_signatures()
+    records = fn.recorded_signatures()
+    kinds = None
+    if fn._cache is not None:
+      kinds = [kind.value for kind in fn._cache.layout.kinds]
     return pickle.dumps({
         'format_version': FORMAT_VERSION,
         'graph': fn._graph_bytes,
-        'signatures': dataclasses.asdict(recorded) if recorded else None,
+        'signatures': _records_to_state(kinds, records) if records else None,
     })
 
   @classmethod
   def deserialize_compile_artifacts(cls,
                                     data: bytes) -> 'XlaSerializableCallable':
     state = pickle.loads(data)
-    if state.get('format_version') != FORMAT_VERSION:
+    if not isinstance(state,
+                      dict) or state.get('format_version') != FORMAT_VERSION:
       raise ArtifactCorruptError(
-          f'torch_xla_patches: compiled graph format '
-          f'{state.get("format_version")!r}, expected {FORMAT_VERSION}')
-    recorded = None
-    if state['signatures']:
-      recorded = RecordedSignatures(
-          kinds=tuple(state['signatures']['kinds']),
-          specs=tuple(tuple(s) for s in state['signatures']['specs']))
-    return XlaSerializableCallable(state['graph'], recorded=recorded)
+          'torch_xla_patches: compiled graph format '
+          f'{state.get("format_version") if isinstance(state, dict) else state!r}'
+          f', expected {FORMAT_VERSION}')
+    return XlaSerializableCallable(state['graph'],
+                                   recorded=_records_from_state(
+                                       state.get('signatures')))
 
 
 def _returns_one_value(graph_module: torch.fx.GraphModule) -> bool:
@@ -416,7 +433,7 @@ def _arg_specs(args: Sequence[Any]) -> Optional[List[Any]]:
   specs = []
   for arg in args:
     if isinstance(arg, torch.Tensor):
-      specs.append(persistent.tensor_spec(arg))
+      specs.append(io_utils.tensor_spec(arg))
     elif isinstance(arg, (bool, int, float)):
       specs.append({'value': arg})
     else:
@@ -424,14 +441,27 @@ def _arg_specs(args: Sequence[Any]) -> Optional[List[Any]]:
   return specs
 
 
-def _rebuild_call_args(specs: Sequence[Any], device) -> List[Any]:
-  args = []
-  for spec in specs:
-    if 'value' in spec:
-      args.append(spec['value'])
-    else:
-      args.append(persistent.tensor_from_spec(spec, device))
-  return args
+def _rebuild_call_args(specs: Any, device: Any, max_bytes: int) -> List[Any]:
+  """The example call of a header, checked before anything is allocated;
+  persistent.RecordError says what is wrong with it."""
+  if not isinstance(specs, list):
+    raise persistent.RecordError(f'example_args is {type(specs).__name__}')
+  total = 0
+  for index, spec in enumerate(specs):
+    if isinstance(spec, dict) and set(spec) == {'value'}:
+      if not isinstance(spec['value'], (bool, int, float)):
+        raise persistent.RecordError(f'argument {index} is not a number')
+      continue
+    (checked,) = persistent.parse_specs((ArgKind.DYNAMIC_TENSOR,), [spec])
+    total += persistent.tensor_bytes(checked['shape'],
+                                     io_utils.dtype_from_name(checked['dtype']))
+  if total > max_bytes:
+    raise persistent.RecordError(
+        f'its tensors would take {total} bytes, over the bound of {max_bytes}')
+  return [
+      spec['value'] if 'value' in spec else io_utils.tensor_from_spec(
+          spec, device) for spec in specs
+  ]
 
 
 # ---------------------------------------------------------------------------
@@ -612,9 +642,9 @@ def save(compiled: Any,
   header_line = json.dumps(dataclasses.asdict(header),
                            sort_keys=True).encode() + b'\n'
   path = os.fspath(path)
-  persistent.atomic_write_bytes(path,
-                                _MAGIC + header_line + payload,
-                                prefix='.tmp-aot-')
+  io_utils.atomic_write_bytes(path,
+                              _MAGIC + header_line + payload,
+                              prefix='.tmp-aot-')
   return path
 
 
@@ -708,9 +738,35 @@ def load(path: str,
         f'torch_xla_patches: artifact {path} does not unpickle: {e}') from None
   compiled = CompiledModel(aot_fn, model, header.bound_method,
                            header.example_args)
+  compiled.backend_callable.name_source(os.fspath(path))
   if precompile and header.example_args is not None:
     import torch_xla
-    args = _rebuild_call_args(header.example_args, torch_xla.device())
+    _warm_up(compiled, header.example_args, os.fspath(path))
+  return compiled
+
+
+def _warm_up(compiled: CompiledModel, example_args: Any, path: str) -> None:
+  """Calls `compiled` on zeros of the saved example shapes, which compiles
+  the recorded signatures (see [Note: Precompile on load]). A damaged
+  example call is skipped with a warning: the first real call then does the
+  same work."""
+  import torch_xla
+  params = compiled.model.parameters() if isinstance(compiled.model,
+                                                     torch.nn.Module) else ()
+  live_bytes = sum(p.numel() * p.element_size() for p in params)
+  try:
+    args = _rebuild_call_args(example_args, torch_xla.device(),
+                              max(256 << 20, 8 * live_bytes))
+  except persistent.RecordError as e:
+    logger.warning(
+        'torch_xla_patches: not warming up %s: its example call is unusable '
+        '(%s); the first call compiles instead.', path, e)
+    return
+  try:
     compiled(*args)
     torch_xla.sync()
-  return compiled
+  except Exception as e:  # pylint: disable=broad-except
+    logger.warning(
+        'torch_xla_patches: warming up %s failed (%s: %s); the first call '
+        'compiles instead.', path,
+        type(e).__name__, e)

@@ -2,19 +2,16 @@
 
 `precompile(compiled_fn, specs)` runs a torch.compile'd callable once per
 signature, so dynamo traces once (dynamic=True) and the bridge compiles one
-XLA program per signature. `precompile_backlog` does the same for the
-signatures the persistent index recorded (see persistent.py), without dynamo
-and without running anything.
+XLA program per signature. (Signatures recorded by the persistent index or an
+artifact are replayed by the bridge itself: SignatureCache.drain_backlog.)
 
-Compiles run one after another. XLA's compile releases the GIL, but on the CPU
-client one compile already keeps ~1.6 of this machine's 2 cores busy, and the
-lazy tracer's pending-IR state is process wide (extract_graph_helper syncs
-and clears it), so two signatures cannot be traced at once safely.
+Compiles run one after another: the lazy tracer's pending-IR state is process
+wide (extract_graph_helper syncs and clears it), so two signatures cannot be
+traced at once safely.
 """
 import dataclasses
 import sys
 import time
-import warnings
 from typing import Any, Callable, List, Optional, Sequence, TextIO, Tuple
 
 import torch
@@ -22,7 +19,7 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as metrics
 
-from torch_xla_patches import config
+from torch_xla_patches import io_utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +29,7 @@ class TensorSpec:
   dtype: torch.dtype = torch.float32
 
   def materialize(self, device) -> torch.Tensor:
-    from torch_xla_patches import persistent
-    return persistent.zeros_on_device(self.shape, self.dtype, device)
+    return io_utils.zeros_on_device(self.shape, self.dtype, device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +54,7 @@ def _describe(args: Sequence[Any]) -> str:
   parts = []
   for arg in args:
     if isinstance(arg, torch.Tensor):
-      parts.append(f'{tuple(arg.shape)}:{str(arg.dtype).replace("torch.", "")}')
+      parts.append(f'{tuple(arg.shape)}:{io_utils.dtype_name(arg.dtype)}')
     else:
       parts.append(repr(arg))
   return ' '.join(parts)
@@ -136,51 +132,3 @@ def precompile(compiled_fn: Callable,
     report.append(item)
     bar.step(item)
   return report
-
-
-def precompile_backlog(cache, live_args: Sequence[Any]) -> int:
-  """Compiles every signature the index recorded for `cache`'s graph."""
-  bar = _Progress(len(cache.backlog), config.precompile_progress, sys.stderr)
-  compiled = 0
-  while cache.backlog:
-    compiles_before, seconds_before = _compile_stats()
-    start = time.perf_counter()
-    specs = cache.backlog[0]
-    if not cache.precompile_next(live_args):
-      break
-    compiled += 1
-    compiles_after, seconds_after = _compile_stats()
-    bar.step(
-        PrecompiledSignature(description=f'graph {cache.graph_id} ' + ' '.join(
-            str(s.get('value', s.get('shape')))
-            for s in specs
-            if s is not None),
-                             seconds=time.perf_counter() - start,
-                             compile_seconds=seconds_after - seconds_before,
-                             xla_compiles=compiles_after - compiles_before))
-  check_persistent_executables()
-  return compiled
-
-
-_warned_no_executable_loading = False
-
-
-def check_persistent_executables() -> Optional[bool]:
-  """Whether persisted executables really load: True, False, or None when
-  nothing was tried. Says so once, plainly, when they do not."""
-  global _warned_no_executable_loading
-  if not config.persistent_executables:
-    return None
-  failures = metrics.counter_value('PersistentCacheDeserializeFailure') or 0
-  hits = metrics.counter_value('PersistentCacheHit') or 0
-  if failures and not _warned_no_executable_loading:
-    _warned_no_executable_loading = True
-    import torch_xla.runtime as xr
-    warnings.warn(
-        f'torch_xla_patches: torch_xla {torch_xla.__version__} could not load '
-        f'{failures} persisted XLA executable(s) on {xr.device_type()} '
-        '(PersistentCacheDeserializeFailure). Nothing was loaded from disk: '
-        'the signature index made this process compile those programs again.')
-  if failures:
-    return False
-  return True if hits else None
