@@ -10,6 +10,11 @@ setup(
         include=['torch_xla_patches', 'torch_xla_patches.*']),
     python_requires='>=3.11,<3.12',
     install_requires=['torch==2.9.0', 'torch_xla==2.9.0'],
+    entry_points={
+        'console_scripts': [
+            'torch-xla-patches-cache=torch_xla_patches.cache:main',
+        ],
+    },
     extras_require={
         'test': ['pytest', 'expecttest', 'hypothesis', 'yapf==0.40.2'],
         # Benchmark charts (tools/bench_warmup.py).
