@@ -507,15 +507,19 @@ class BridgeRenderer:
                              f'{node.module} inside a function; import them '
                              'at the top so they can be inlined')
         wanted.setdefault(module, set()).update(a.name for a in node.names)
+        if origin != 'bridge' and module not in self.companions:
+          # A companion module needs it: it must stay a module of its own
+          # (inlining it into the bridge would make an import cycle).
+          path = self._module_path(module)
+          if not os.path.exists(path):
+            raise RefusedError(f'{origin} imports {node.module}, which is not '
+                               f'a module file ({path})')
+          self.companions.append(module)
+          queue.append((module, ast.parse(_read(path))))
         if origin == 'bridge':
           for alias in node.names:
             if alias.asname and alias.asname != alias.name:
               self.renames[alias.asname] = alias.name
-    for module in self.companions:
-      if module in wanted and module in self._bridge_from_imports():
-        raise RefusedError(f'the bridge imports names from {PACKAGE}.{module}'
-                           ', which is also imported as a module; import the '
-                           'module only')
     for module, names in wanted.items():
       if module not in self.companions:
         self._inline(module, names)
@@ -537,7 +541,19 @@ class BridgeRenderer:
     for stmt in self.bridge.imports:
       node = stmt.node
       if isinstance(node, ast.ImportFrom) and _in_package(node.module):
-        continue  # config, inlined or companion: see _scan_package_imports
+        # config and inlined names: see _scan_package_imports; a companion
+        # module imported at the top becomes a torch_xla._dynamo import.
+        if node.module == PACKAGE:
+          candidates.extend(
+              Binding(a.asname or a.name, ('from', 'torch_xla._dynamo', a.name))
+              for a in node.names
+              if a.name in self.companions)
+        elif node.module.split('.', 1)[1] in self.companions:
+          module = 'torch_xla._dynamo.' + node.module.split('.', 1)[1]
+          candidates.extend(
+              Binding(a.asname or a.name, ('from', module, a.name))
+              for a in node.names)
+        continue
       for b in import_bindings(node):
         if b.key[0] == 'from' and b.key[1] == UPSTREAM_BRIDGE_MODULE:
           self.from_upstream_bridge.add(b.key[2])
