@@ -1,5 +1,4 @@
 """Helpers shared by the bridge tests."""
-import contextlib
 import os
 import subprocess
 import sys
@@ -10,7 +9,6 @@ import torch._dynamo
 import torch_xla
 import torch_xla.debug.metrics as met
 
-import torch_xla_patches
 from torch_xla_patches import dynamo_bridge
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,16 +33,6 @@ def fresh():
   """Forget compiled frames and zero all metrics."""
   torch._dynamo.reset()
   met.clear_all()
-
-
-@contextlib.contextmanager
-def patched():
-  torch_xla_patches.apply()
-  try:
-    fresh()
-    yield
-  finally:
-    torch_xla_patches.revert()
 
 
 class FrameCounter:

@@ -21,8 +21,6 @@ import torch_xla
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
-import torch_xla_patches
-
 VOCAB, D, HEADS, LAYERS, MAX_SEQ = 64, 32, 2, 2, 32
 
 # (batch, seq): 14 shapes. The first has distinct sizes, none 0 or 1: dynamo
@@ -85,16 +83,7 @@ class TinyGPT2(nn.Module):
     return logits, loss
 
 
-@pytest.fixture
-def patched():
-  torch_xla_patches.apply()
-  torch._dynamo.reset()
-  yield
-  torch._dynamo.reset()
-  torch_xla_patches.revert()
-
-
-def test_tiny_gpt2_dynamic_traces_once_and_matches_eager(patched):
+def test_tiny_gpt2_dynamic_traces_once_and_matches_eager(patched_bridge):
   device = torch_xla.device()
   torch.manual_seed(0)
   cpu_model = TinyGPT2()

@@ -16,7 +16,7 @@ import torch_xla.debug.metrics as met
 from torch_xla_patches import cache as cache_cli
 from torch_xla_patches import config, dynamo_bridge, fingerprint, persistent
 from torch_xla_patches.signature import ArgKind, ArgLayout
-from bridge_testing import REPO_ROOT, fresh, run_python, xla
+from bridge_testing import REPO_ROOT, run_python, xla
 
 SERVE_SCRIPT = r'''
 import sys
@@ -557,7 +557,7 @@ def test_cache_cli_lists_verifies_prunes_and_clears(tmp_path, capsys):
   out = capsys.readouterr().out.splitlines()
   assert out[0] == f'{make_fingerprint().key}: 2 signatures, torch_xla ? on ?'
   assert out[1].startswith('  served      3') and out[1].endswith(
-      '0=6 1:float32[6, 8]')
+      '0:6 1:float32[6, 8]')
   assert out[2].startswith('  served      0')
   assert cache_cli.main(['stats', str(tmp_path), '--json']) == 0
   stats = json.loads(capsys.readouterr().out)

@@ -1,6 +1,6 @@
 """precompile(): one dynamo trace, one XLA compile per signature, then every
 served call is a hit; progress lines name each signature."""
-import io
+import logging
 import sys
 
 import pytest
@@ -19,21 +19,20 @@ def embed_sum(tokens, table):
   return table[tokens].sum(dim=1) * tokens.shape[1]
 
 
-def test_precompile_then_serve_without_compiling():
+def test_precompile_then_serve_without_compiling(caplog):
   frames = FrameCounter()
   compiled = torch.compile(embed_sum, backend=frames, dynamic=True)
   table = xla(torch.randn(50, 8))
   grid = [(b, s) for b in (2, 3) for s in (5, 7, 9)]
-  stream = io.StringIO()
-  report = warmup.precompile(
-      compiled, [(TensorSpec((b, s), torch.long), table) for b, s in grid],
-      progress=True,
-      stream=stream)
+  with caplog.at_level(logging.INFO, logger='torch_xla_patches.precompile'):
+    report = warmup.precompile(
+        compiled, [(TensorSpec((b, s), torch.long), table) for b, s in grid],
+        progress=True)
   assert [r.xla_compiles for r in report] == [1] * len(grid)
   assert all(r.compile_seconds > 0 for r in report)
-  lines = stream.getvalue().splitlines()
+  lines = [r.getMessage() for r in caplog.records]
   assert len(lines) == len(grid)
-  assert lines[0].startswith('[precompile 1/6] (2, 5):int64 (50, 8):float32')
+  assert lines[0].startswith('[precompile 1/6] int64[2, 5] float32[50, 8]')
   assert 'ETA' in lines[-1]
 
   met.clear_all()
@@ -47,12 +46,23 @@ def test_precompile_then_serve_without_compiling():
 
 
 def test_precompile_accepts_tensors_and_numbers():
-  compiled = torch.compile(lambda x, k: x * k, backend='openxla', dynamic=True)
+
+  def fn(x, k):
+    # An op mix no other test compiles, so XLA's cache cannot answer.
+    return torch.sin(x) * k - 3.25
+
+  compiled = torch.compile(fn, backend='openxla', dynamic=True)
   report = torch_xla_patches.precompile(compiled, [(torch.ones(3), 2.0),
                                                    (torch.ones(4), 2.0)],
                                         progress=False)
-  assert len(report) == 2
-  assert report[0].description == '(3,):float32 2.0'
+  assert [r.description for r in report] == ['float32[3] 2.0', 'float32[4] 2.0']
+  assert [r.xla_compiles for r in report] == [1, 1]
+  met.clear_all()
+  for n in (4, 3):
+    x = torch.randn(n)
+    torch.testing.assert_close(compiled(xla(x), 2.0).cpu(), fn(x, 2.0))
+  assert 'CompileTime' not in met.metric_names()
+  assert counters()['DynamoSignatureHit'] == 2
 
 
 if __name__ == '__main__':

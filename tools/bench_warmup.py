@@ -319,13 +319,27 @@ def run_in_subprocess(mode, args, cache_dir) -> dict:
   lines = [l for l in proc.stdout.splitlines() if l.startswith('{')]
   if proc.returncode != 0 or not lines:
     lines = proc.stderr.strip().splitlines() or ['no output']
-    errors = [l for l in lines if 'Error' in l or 'error' in l]
-    reason = (errors or lines)[-1]
-    # Dynamo wraps the real error: "... failed to run FX node ...: got X".
-    if ': got ' in reason:
-      reason = reason.rsplit(': got ', 1)[1]
-    return {'mode': mode, 'error': reason[:200]}
+    reason = lines[-1].replace('|', '/')
+    return {
+        'mode': mode,
+        'error': f'exit status {proc.returncode}: {reason[:90]}'
+    }
   return json.loads(lines[-1])
+
+
+def short_reason(error: BaseException) -> str:
+  """`Type: first line` of the innermost cause, short enough for a table."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  lines = str(error).strip().splitlines() or ['']
+  message = lines[0]
+  # dynamo wraps the real error: "... failed to run FX node ...: got X".
+  if ': got ' in message:
+    message = message.rsplit(': got ', 1)[1]
+  message = message.replace('|', '/')
+  if len(message) > 90:
+    message = message[:87] + '...'
+  return f'{type(error).__name__}: {message}'
 
 
 def format_table(results, grid_name: str) -> str:
@@ -344,7 +358,7 @@ def format_table(results, grid_name: str) -> str:
   ]
   for r in results:
     if 'error' in r:
-      rows.append(f'| {r["mode"]} | failed: {r["error"]} |||||||||')
+      rows.append(f'| {r["mode"]} | failed: {r["error"]} | | | | | | | |')
       continue
     ratios = [
         f'{r["wall_s"] / reference[name]:.2f}x' if name in reference else '-'
@@ -416,10 +430,17 @@ def main(argv=None) -> int:
   grid = DEMO_GRID if args.demo else FULL_GRID
 
   if args.run_mode:
-    print(
-        json.dumps(
-            run_mode(args.run_mode, grid, args.norm, args.layers, args.width,
-                     args.cache_dir)))
+    try:
+      result = run_mode(args.run_mode, grid, args.norm, args.layers, args.width,
+                        args.cache_dir)
+    except Exception as error:  # pylint: disable=broad-except
+      # A mode that cannot run (upstream dynamic=True on LayerNorm) is a
+      # result of the benchmark: report it in one line, the full error on
+      # stderr.
+      import traceback
+      traceback.print_exc()
+      result = {'mode': args.run_mode, 'error': short_reason(error)}
+    print(json.dumps(result))
     return 0
 
   modes = [m.strip() for m in args.modes.split(',') if m.strip()]

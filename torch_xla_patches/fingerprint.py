@@ -20,12 +20,12 @@ import dataclasses
 import hashlib
 import os
 import platform
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from torch_xla_patches import config
-from torch_xla_patches.signature import ArgLayout
+from torch_xla_patches.signature import ArgLayout, placeholder_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +74,7 @@ def _describe_value(value: Any) -> str:
 
 def _input_metadata(xla_model: Optional[torch.fx.GraphModule],
                     layout: ArgLayout) -> str:
-  values: Sequence[Any] = [None] * len(layout.kinds)
-  if xla_model is not None:
-    placeholders = [
-        node.meta.get('val')
-        for node in xla_model.graph.nodes
-        if node.op == 'placeholder'
-    ]
-    if len(placeholders) == len(layout.kinds):
-      values = placeholders
+  values = placeholder_values(xla_model, len(layout.kinds))
   return ';'.join(f'{kind.value}:{_describe_value(value)}'
                   for kind, value in zip(layout.kinds, values))
 

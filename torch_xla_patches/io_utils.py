@@ -36,6 +36,26 @@ def describe_tensor_spec(spec: Dict[str, Any]) -> str:
   return f'{spec["dtype"]}{list(spec["shape"])}'
 
 
+def arg_spec(arg: Any) -> Dict[str, Any]:
+  """How records hold an argument: a tensor spec, or {"value": number}."""
+  if isinstance(arg, torch.Tensor):
+    return tensor_spec(arg)
+  return {'value': arg}
+
+
+def arg_from_spec(spec: Dict[str, Any], device: Any) -> Any:
+  """The argument `arg_spec` described: zeros of its sizes, or the number."""
+  if 'value' in spec:
+    return spec['value']
+  return tensor_from_spec(spec, device)
+
+
+def describe_arg_spec(spec: Dict[str, Any]) -> str:
+  if 'value' in spec:
+    return repr(spec['value'])
+  return describe_tensor_spec(spec)
+
+
 def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
                     device: Any) -> torch.Tensor:
   """Zeros made on the host and copied: zeros made on the device would be a

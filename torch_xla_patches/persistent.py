@@ -105,14 +105,15 @@ class RecordedSignature:
   source: str = ''
 
   def describe(self) -> str:
-    parts = []
-    for position, spec in enumerate(self.specs):
-      if spec is None:
-        continue
-      if 'value' in spec:
-        parts.append(f'{position}={spec["value"]}')
-      else:
-        parts.append(f'{position}:{io_utils.describe_tensor_spec(spec)}')
+    try:
+      parts = [
+          f'{position}:{io_utils.describe_arg_spec(spec)}'
+          for position, spec in enumerate(self.specs)
+          if spec is not None
+      ]
+    except (TypeError, KeyError):
+      # An unchecked record (see [Note: Index contents are untrusted]).
+      return _short(self.specs)
     return ' '.join(parts) or '(static)'
 
 
@@ -128,15 +129,9 @@ def record_id_of(specs: Sequence[InputSpec],
 def input_specs(layout: ArgLayout,
                 args: Sequence[Any]) -> Tuple[InputSpec, ...]:
   """What must be recorded to rebuild `args` for a later trace."""
-  specs: List[InputSpec] = []
-  for kind, arg in zip(layout.kinds, args):
-    if kind in (ArgKind.SHAPE, ArgKind.SCALAR):
-      specs.append({'value': arg})
-    elif kind == ArgKind.DYNAMIC_TENSOR:
-      specs.append(io_utils.tensor_spec(arg))
-    else:
-      specs.append(None)
-  return tuple(specs)
+  return tuple(None if kind in (ArgKind.PARAMETER,
+                                ArgKind.TENSOR) else io_utils.arg_spec(arg)
+               for kind, arg in zip(layout.kinds, args))
 
 
 def input_shardings(layout: ArgLayout,
@@ -286,9 +281,9 @@ def rebuild_args(layout: ArgLayout, record: RecordedSignature,
   args = []
   for kind, spec, live in zip(layout.kinds, record.specs, live_args):
     if kind in (ArgKind.SHAPE, ArgKind.SCALAR):
-      args.append(spec['value'])
+      args.append(io_utils.arg_from_spec(spec, device))
     elif kind == ArgKind.DYNAMIC_TENSOR:
-      tensor = io_utils.tensor_from_spec(spec, device)
+      tensor = io_utils.arg_from_spec(spec, device)
       if layout.spmd:
         import torch_xla
         sharding = torch_xla._XLAC._get_xla_op_sharding(live)

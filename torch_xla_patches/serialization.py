@@ -153,7 +153,6 @@ class ArtifactHeader:
   payload_size: int
 
   def check_runtime(self) -> None:
-    import torch_xla
     expected = {
         'torch': self.torch_version,
         'torch_xla': self.torch_xla_version,
@@ -430,15 +429,9 @@ def _model_name(model: Any) -> str:
 def _arg_specs(args: Sequence[Any]) -> Optional[List[Any]]:
   """Input specs of positional call arguments; None if one is not a tensor
   or a number (then nothing is warmed up at load)."""
-  specs = []
-  for arg in args:
-    if isinstance(arg, torch.Tensor):
-      specs.append(io_utils.tensor_spec(arg))
-    elif isinstance(arg, (bool, int, float)):
-      specs.append({'value': arg})
-    else:
-      return None
-  return specs
+  if not all(isinstance(a, (torch.Tensor, bool, int, float)) for a in args):
+    return None
+  return [io_utils.arg_spec(arg) for arg in args]
 
 
 def _rebuild_call_args(specs: Any, device: Any, max_bytes: int) -> List[Any]:
@@ -458,10 +451,7 @@ def _rebuild_call_args(specs: Any, device: Any, max_bytes: int) -> List[Any]:
   if total > max_bytes:
     raise persistent.RecordError(
         f'its tensors would take {total} bytes, over the bound of {max_bytes}')
-  return [
-      spec['value'] if 'value' in spec else io_utils.tensor_from_spec(
-          spec, device) for spec in specs
-  ]
+  return [io_utils.arg_from_spec(spec, device) for spec in specs]
 
 
 # ---------------------------------------------------------------------------
@@ -740,7 +730,6 @@ def load(path: str,
                            header.example_args)
   compiled.backend_callable.name_source(os.fspath(path))
   if precompile and header.example_args is not None:
-    import torch_xla
     _warm_up(compiled, header.example_args, os.fspath(path))
   return compiled
 

@@ -41,8 +41,8 @@ class UnsupportedGraphInput(TypeError):
   """A graph input the bridge cannot compile; the message names it."""
 
 
-def _placeholder_values(xla_model: Optional[torch.fx.GraphModule],
-                        num_args: int) -> List[Any]:
+def placeholder_values(xla_model: Optional[torch.fx.GraphModule],
+                       num_args: int) -> List[Any]:
   """The fake values dynamo/AOTAutograd recorded for each graph input."""
   if xla_model is None:
     return [None] * num_args
@@ -147,7 +147,7 @@ class ArgLayout:
                  xla_model: Optional[torch.fx.GraphModule],
                  args: Sequence[Any],
                  spmd: bool = False) -> 'ArgLayout':
-    fakes = _placeholder_values(xla_model, len(args))
+    fakes = placeholder_values(xla_model, len(args))
     kinds = tuple(
         _classify(i, arg, fake)
         for i, (arg, fake) in enumerate(zip(args, fakes)))

@@ -10,9 +10,9 @@ wide (extract_graph_helper syncs and clears it), so two signatures cannot be
 traced at once safely.
 """
 import dataclasses
-import sys
+import logging
 import time
-from typing import Any, Callable, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 
@@ -20,6 +20,8 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 
 from torch_xla_patches import io_utils
+
+logger = logging.getLogger('torch_xla_patches.precompile')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,22 +53,16 @@ def _compile_stats() -> Tuple[int, float]:
 
 
 def _describe(args: Sequence[Any]) -> str:
-  parts = []
-  for arg in args:
-    if isinstance(arg, torch.Tensor):
-      parts.append(f'{tuple(arg.shape)}:{io_utils.dtype_name(arg.dtype)}')
-    else:
-      parts.append(repr(arg))
-  return ' '.join(parts)
+  return ' '.join(
+      io_utils.describe_arg_spec(io_utils.arg_spec(a)) for a in args)
 
 
 class _Progress:
-  """One line per signature: what, how long, how long XLA compiled, ETA."""
+  """One log line per signature: what, how long, how long XLA compiled, ETA."""
 
-  def __init__(self, total: int, enabled: bool, stream: TextIO):
+  def __init__(self, total: int, enabled: bool):
     self.total = total
     self.enabled = enabled
-    self.stream = stream
     self.start = time.perf_counter()
     self.done = 0
 
@@ -76,12 +72,10 @@ class _Progress:
       return
     elapsed = time.perf_counter() - self.start
     eta = elapsed / self.done * (self.total - self.done)
-    width = len(str(self.total))
-    self.stream.write(f'[precompile {self.done:>{width}}/{self.total}] '
-                      f'{item.description:<28} {item.seconds:6.2f} s '
-                      f'(xla compile {item.compile_seconds:5.2f} s)  '
-                      f'ETA {eta:5.1f} s\n')
-    self.stream.flush()
+    logger.info(
+        '[precompile %*d/%d] %-28s %6.2f s (xla compile %5.2f s)  '
+        'ETA %5.1f s', len(str(self.total)), self.done, self.total,
+        item.description, item.seconds, item.compile_seconds, eta)
 
 
 def _materialize(spec: Any, device) -> Tuple[Any, ...]:
@@ -99,8 +93,7 @@ def _materialize(spec: Any, device) -> Tuple[Any, ...]:
 
 def precompile(compiled_fn: Callable,
                specs: Sequence[Any],
-               progress: bool = True,
-               stream: Optional[TextIO] = None) -> List[PrecompiledSignature]:
+               progress: bool = True) -> List[PrecompiledSignature]:
   """Compiles one XLA program per signature in `specs`.
 
   Args:
@@ -109,12 +102,13 @@ def precompile(compiled_fn: Callable,
     specs: one entry per signature: a tuple of positional arguments, each a
       tensor, a TensorSpec, or a Python number (a single non-tuple item is a
       one-argument call).
-    progress: print a line per signature (signature, seconds, ETA).
+    progress: log a line per signature (signature, seconds, ETA) on the
+      `torch_xla_patches.precompile` logger.
   Returns:
     One PrecompiledSignature per spec, in order.
   """
   device = torch_xla.device()
-  bar = _Progress(len(specs), progress, stream or sys.stderr)
+  bar = _Progress(len(specs), progress)
   report = []
   for spec in specs:
     args = _materialize(spec, device)
