@@ -308,6 +308,8 @@ DAMAGE = {
     'other_fingerprint': (set_field('fingerprint',
                                     'f' * 32), 'names fingerprint'),
     'format_version': (set_field('format_version', 99), 'format version 99'),
+    'huge_file': (lambda text: text + ' ' * (17 << 20), 'larger than'),
+    'deeply_nested': (lambda text: '[' * 200000, 'unreadable'),
 }
 
 

@@ -77,6 +77,9 @@ COMPACT_USAGE_FILES = 32
 # A claim this old with no snapshot of its generation belongs to a
 # compaction that died; the next one may take a later generation.
 CLAIM_TIMEOUT_SECONDS = 300.0
+# No index file is larger: a record is a few hundred bytes, a snapshot holds
+# two numbers per signature.
+MAX_FILE_BYTES = 16 << 20
 # Temp files this old were left by a writer that died.
 STALE_TEMP_SECONDS = 3600.0
 
@@ -325,9 +328,12 @@ class _Usage:
 
 def _read_json(path: str) -> Any:
   try:
-    with open(path, 'r') as f:
-      return json.load(f)
-  except (OSError, UnicodeDecodeError, ValueError) as e:
+    with open(path, 'rb') as f:
+      data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+      raise RecordError(f'larger than {MAX_FILE_BYTES} bytes')
+    return json.loads(data)
+  except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
     raise RecordError(f'unreadable: {e}') from None
 
 
