@@ -266,17 +266,18 @@ class BridgeRendering:
 
 
 def render_bridge(upstream: str, bridge: str) -> BridgeRendering:
+  upstream_tree = ast.parse(upstream)
+  upstream_imports = [
+      n for n in upstream_tree.body
+      if isinstance(n, (ast.Import, ast.ImportFrom))
+  ]
   upstream_body = [
-      n for n in ast.parse(upstream).body
-      if not isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr))
+      n for n in upstream_tree.body
+      if n not in upstream_imports and not isinstance(n, ast.Expr)
   ]
   upstream_index = {
       name: i for i, n in enumerate(upstream_body) for name in bound_names(n)
   }
-  upstream_imports = [
-      n for n in ast.parse(upstream).body
-      if isinstance(n, (ast.Import, ast.ImportFrom))
-  ]
   tree = ast.parse(bridge)
   lines = bridge.split('\n')
   body = [
