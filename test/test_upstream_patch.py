@@ -73,17 +73,17 @@ def test_main_prints_names_and_diff_size(tmp_path, capsys):
 
 def test_names_replaced_removed_and_kept(rendered):
   out, result = rendered
-  replaced_or_same = set()
-  for label in result.replaced + result.unchanged:
-    replaced_or_same.update(n.strip() for n in label.split(','))
-  assert set(make_upstream_patch.EXPECTED_REPLACED) <= replaced_or_same
+  assert {
+      'GraphInputMatcher', 'extract_graph_helper', 'extract_internal',
+      'extract_compiled_graph', 'extract_compiled_graph_helper',
+      'partition_fx_graph_for_cpu_fallback'
+  } <= set(result.replaced + result.unchanged)
   removed = dict(result.removed)
   kept = dict(result.kept)
-  assert {
-      'Deduper', 'SpecialReturnHandler', '_split_xla_args_tensor_sym_constant'
-  } <= set(removed)
+  assert set(make_upstream_patch.REMOVED) <= set(removed)
   # Upstream's tests and torch_xla/stablehlo.py still import these.
-  assert {'NoneRemover', 'get_fallback_ops'} <= set(kept)
+  assert {'NoneRemover', 'get_fallback_ops',
+          'XLAConstructorMoverPass'} <= set(kept)
   # Each conflict names a changed signature or a removed name.
   assert all(' -> ' in c or ' is removed' in c for c in result.conflicts)
 
@@ -153,6 +153,26 @@ def test_refuses_when_an_expected_upstream_name_is_gone(monkeypatch, tmp_path,
   assert make_upstream_patch.main(['--out', str(tmp_path / 'out')]) == 2
   err = capsys.readouterr().err
   assert 'are gone: NoneRemover' in err
+
+
+def test_refuses_a_bridge_out_of_upstream_order(tmp_path, capsys):
+  source = open(make_upstream_patch.BRIDGE_PATH).read()
+  tree = ast.parse(source)
+  node = next(n for n in tree.body
+              if getattr(n, 'name', '') == 'extract_compiled_graph')
+  lines = source.split('\n')
+  moved = '\n'.join(lines[node.lineno - 1:node.end_lineno])
+  del lines[node.lineno - 1:node.end_lineno]
+  bridge = tmp_path / 'torch_xla_patches' / 'dynamo_bridge.py'
+  shutil.copytree(os.path.dirname(make_upstream_patch.BRIDGE_PATH),
+                  bridge.parent)
+  bridge.write_text('\n'.join(lines) + '\n\n' + moved + '\n')
+  assert make_upstream_patch.main(
+      ['--out', str(tmp_path / 'out'), '--bridge',
+       str(bridge)]) == 2
+  err = capsys.readouterr().err
+  assert ('defines extract_compiled_graph after '
+          'extract_compiled_graph_helper') in err
 
 
 def test_rendered_bridge_is_the_one_torch_xla_runs(rendered, tmp_path):

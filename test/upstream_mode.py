@@ -154,11 +154,7 @@ def _alias_package(bridge, upstream_config, companions) -> None:
   for name, value in vars(our_config).items():
     if not name.startswith('__') and not hasattr(upstream_config, name):
       setattr(upstream_config, name, value)
-  aliases = {
-      'dynamo_bridge': bridge,
-      'signature': bridge,
-      'config': upstream_config
-  }
+  aliases = {'dynamo_bridge': bridge, 'config': upstream_config}
   aliases.update(companions)
   for name, module in aliases.items():
     sys.modules[f'{PACKAGE}.{name}'] = module

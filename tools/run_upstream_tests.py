@@ -2,6 +2,7 @@
 
   python tools/run_upstream_tests.py --xla-src /path/to/pytorch-xla-checkout
       [--automatic-dynamic both|on|off] [--rendered] [--files A.py,B.py]
+      [--columns upstream,rendered]
       [--timeout 900] [--logs DIR] [--json FILE] [--strict]
 
 Each test/dynamo/*.py file runs as its own process, `python dynamo/FILE.py`
@@ -36,9 +37,6 @@ Known differences, on torch_xla 2.9.0 and the CPU device:
   * test_dynamo.py test_resnet18 ('openxla') counted 9 ExecuteTime instead of
     10 once (patched, no auto) and passed on the rerun: ExecuteTime looks
     recorded after the result is readable. Rerun a single file with --files.
-  * test_graph_input_matcher.py and test_num_output.py build a
-    GraphInputMatcher with upstream's constructor; the rendered bridge's
-    takes other arguments (make_upstream_patch.py reports it).
 torchvision is needed by test_dynamo.py and test_dynamo_dynamic_shape.py; it
 is not a dependency of this project (pip install torchvision==0.24.0 for
 torch 2.9.0).
@@ -232,6 +230,12 @@ def main(argv=None) -> int:
   parser.add_argument('--rendered',
                       action='store_true',
                       help='add a column for the rendered upstream patch')
+  parser.add_argument('--columns',
+                      default='',
+                      help='comma-separated columns to run, out of those the '
+                      'other options select: upstream, patched, '
+                      'patched-no-auto, rendered (default: all of them); '
+                      'regressions need the upstream column')
   parser.add_argument('--files',
                       default='',
                       help='comma-separated test/dynamo file names (default: '
@@ -277,6 +281,16 @@ def main(argv=None) -> int:
     print(f'NOTE: {note}', flush=True)
 
   columns = columns_for(args.automatic_dynamic, args.rendered)
+  if args.columns:
+    wanted = {_slug(c) for c in args.columns.split(',') if c.strip()}
+    known = [_slug(c.title) for c in columns]
+    if wanted - set(known):
+      print(
+          f'run_upstream_tests: no such columns: {sorted(wanted - set(known))}'
+          f'; choose from {known}',
+          file=sys.stderr)
+      return 2
+    columns = [c for c in columns if _slug(c.title) in wanted]
   with tempfile.TemporaryDirectory(prefix='xla-upstream-tests-') as tmp:
     hook_dir = os.path.join(tmp, 'hook')
     upstream_mode.write_sitecustomize(hook_dir)
@@ -319,9 +333,9 @@ def main(argv=None) -> int:
           indent=2)
   # A regression: a file that passes without the patch fails with it, or
   # has more failing tests.
-  baseline = results['upstream']
+  baseline = results.get('upstream')
   regressions = []
-  for c in columns[1:]:
+  for c in columns[1:] if baseline is not None else []:
     for f in files:
       before, after = baseline[f], results[c.title][f]
       if before.passed and not after.passed:

@@ -1,53 +1,57 @@
 """The XLA dynamo bridge with one compiled program per shape signature.
 
-This module mirrors torch_xla/_dynamo/dynamo_bridge.py (torch_xla 2.9.0):
-`extract_compiled_graph` -> `extract_compiled_graph_helper` -> `extract_internal`
--> `extract_graph_helper`, with `GraphInputMatcher` building the XLA inputs of
-a call. What differs from upstream, and why, is written down in the Notes.
+`extract_compiled_graph` -> `extract_compiled_graph_helper` ->
+`extract_internal` -> `extract_graph_helper`, with `GraphInputMatcher`
+building the XLA inputs of a call. The Notes state what each part
+guarantees.
 """
+import dataclasses
+import operator
+import warnings
+
 import atexit
 import collections
-import dataclasses
 import enum
 import itertools
 import logging
-import operator
 import os
 import time
-import warnings
 import weakref
-from numbers import Number
 from typing import (Any, Callable, DefaultDict, Deque, Dict, Hashable, List,
                     Optional, Sequence, Set, Tuple)
+from numbers import Number
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 from torch.fx.passes.utils.fuser_utils import topo_sort
 
-import torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as metrics
-import torch_xla.runtime as xr
-from torch_xla._dynamo import config as upstream_config
-from torch_xla._dynamo.dynamo_bridge import XLAConstructorMoverPass
-from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
+# Defined by torch_xla's bridge; its callers (torch_xla/stablehlo.py, tests)
+# find them in the bridge module, so this one offers them too.
+from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
+                                             XLAConstructorMoverPass,
+                                             get_fallback_ops)
 
-from torch_xla_patches import config
-from torch_xla_patches import fingerprint
-from torch_xla_patches import persistent
+from torch_xla._dynamo import config as upstream_config
+from torch_xla_patches import config, fingerprint, persistent
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
                                          check_scalar_input, describe_arg,
                                          _tuple_getter)
 
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as metrics
+import torch_xla.runtime as xr
+from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
+
 dynamo_debug = int(os.environ.get('XLA_DYNAMO_DEBUG', '0')) == 1
 ptxla_debug = int(os.environ.get('PT_XLA_DEBUG', '0')) == 1
 
-# Counters, readable with torch_xla.debug.metrics.counter_value(name). Upstream's
+# Counters, readable with torch_xla.debug.metrics.counter_value(name), next to
 # DynamoExtractCompiledGraph (one per graph handed to the bridge),
-# DynamoSyncInputExecuteTime (inputs with pending IR synced before a run), and
-# the runtime's CompileTime / UncachedCompile keep their meaning.
+# DynamoSyncInputExecuteTime (inputs with pending IR synced before a run) and
+# the runtime's CompileTime / UncachedCompile.
 # A graph's first signature is compiled when dynamo hands the graph over, so
 # its first call is a hit: misses count compiles, hits count calls served.
 COUNTER_HIT = 'DynamoSignatureHit'  # a call found its signature's program
@@ -76,16 +80,16 @@ class GraphInputMatcher:
   is either a graph argument (taken from the current call), the RNG seed
   (drawn fresh per call, as torch_xla.sync() does), or a true constant of the
   graph (kept). Trace-time argument tensors are never kept, see
-  [Note: What an entry keeps alive]. The constructor takes upstream's
-  arguments, so upstream's tests and callers keep working.
+  [Note: What an entry keeps alive]. The constructor's arguments are part of
+  the bridge's interface: tests and callers build matchers directly.
 
   Args:
     tensor_id_to_arg_idx: maps a tensor id to the position of the graph
       argument holding it.
     graph_input_tensor_ids: tensor id of each XLA graph input.
     graph_input_xla_values: traced value of each XLA graph input.
-    xla_args_tensor_id: unused; upstream passes the ids of the arguments,
-      which `tensor_id_to_arg_idx` already holds.
+    xla_args_tensor_id: unused: the ids of the arguments, which
+      `tensor_id_to_arg_idx` already holds.
   """
 
   def __init__(self,
@@ -175,7 +179,7 @@ class OutputPlan:
       pool.extend(self._returned_arg_getter(args))
       pool.extend(self.constants)
       outputs = list(self._source_getter(pool))
-    # Same convention as upstream's bridge: a single output is unwrapped.
+    # The bridge's calling convention: a single output is returned bare.
     return outputs[0] if len(outputs) == 1 else outputs
 
 
@@ -184,11 +188,10 @@ class CompiledGraphEntry:
   """Everything needed to run one shape signature of a graph.
 
   [Note: What an entry keeps alive]
-  Upstream's 8-tuple per signature kept the trace-time argument tensors (as
-  `args_and_out`, `xla_args_need_update` and inside SpecialReturnHandler), so
-  every signature pinned a copy of its inputs' device memory. An entry keeps
-  only the graph hash, index maps, and the device data of true graph
-  constants (tensors the graph reads that are not arguments).
+  An entry holds no trace-time argument tensor: only the graph hash, index
+  maps, and the device data of true graph constants (tensors the graph reads
+  that are not arguments). An argument held here would pin a copy of its
+  signature's inputs in device memory for as long as the graph lives.
   """
   # Key of the compiled program in XLA's computation cache.
   graph_hash: bytes
@@ -202,9 +205,9 @@ class _PendingRestore:
   """Restores arguments that a trace updated in place.
 
   Tracing runs the FX graph on the real arguments, so in-place updates in the
-  graph give them pending IR. Like upstream, we keep lazy clones (no device
-  copy happens unless used) and copy them back before `_clear_pending_irs`
-  drops all pending IR; the copies themselves are dropped with it.
+  graph give them pending IR. Lazy clones (no device copy happens unless
+  used) are copied back before `_clear_pending_irs` drops all pending IR; the
+  copies themselves are dropped with it.
   """
 
   def __init__(self, tensors: Sequence[torch.Tensor]):
@@ -713,13 +716,13 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   run_cached_graph = torch_xla._XLAC._run_cached_graph
   all_tensors = _tuple_getter(layout.tensor_positions)
   # [Note: Input materialization check]
-  # `_run_cached_graph` needs device data, not pending IR, as input. Upstream
-  # checks every tensor argument before each call. Non-parameter tensors
-  # (activations, user inputs, tangents) are often pending, so they are
-  # checked up front, in one C++ call. Lifted parameters are rarely pending
-  # (only after an eager update with no sync), and there are many of them, so
-  # they are not checked: `_run_cached_graph` refuses pending IR before it
-  # runs anything, and the refusal is handled in run_after_error.
+  # `_run_cached_graph` needs device data, not pending IR, as input.
+  # Non-parameter tensors (activations, user inputs, tangents) are often
+  # pending, so they are checked up front, in one C++ call. Lifted parameters
+  # are rarely pending (only after an eager update with no sync), and there
+  # are many of them, so they are not checked: `_run_cached_graph` refuses
+  # pending IR before it runs anything, and the refusal is handled in
+  # run_after_error.
   checked_tensors = _tuple_getter(
       layout.positions(ArgKind.TENSOR, ArgKind.DYNAMIC_TENSOR))
 
@@ -732,7 +735,7 @@ def extract_internal(xla_model: torch.fx.GraphModule):
       message = str(error)
       if _PENDING_IR_MESSAGE in message:
         if upstream_config.skip_input_data_check:
-          # The user asked for upstream's no-check mode: report, don't sync.
+          # The user turned the input check off: report, don't sync.
           raise error
         _sync_pending_inputs(all_tensors(args))
       elif _EVICTED_MESSAGE in message:
@@ -814,8 +817,8 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
   """Runs the graph node by node, noting nodes XLA cannot compile: CPU
   fallback ops and nodes with non-XLA tensor inputs or outputs.
 
-  Unlike upstream's collector it does not clear the metrics between nodes,
-  so user-visible counters survive the first call.
+  It compares fallback counters between nodes without clearing them, so
+  user-visible counters survive the first call.
   """
 
   def __init__(self, module: torch.fx.GraphModule):
@@ -846,6 +849,12 @@ class InputCollector(torch.fx.Interpreter):
     return super().call_module(target, args, kwargs)
 
 
+def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
+  torch_xla._XLAC._xla_increment_counter('DynamoExtractCompiledGraph', 1)
+  with torch_xla.experimental.eager_mode_context(False):
+    return extract_compiled_graph_helper(xla_model, xla_args)
+
+
 def partition_fx_graph_for_cpu_fallback(
     xla_model: torch.fx.GraphModule, xla_args: Sequence[Any],
     unsupported_nodes: List[torch.fx.Node]) -> torch.fx.GraphModule:
@@ -853,11 +862,11 @@ def partition_fx_graph_for_cpu_fallback(
   signature cache, the unsupported nodes run eagerly on every call.
 
   [Note: CPU fallback with dynamic shapes]
-  Upstream skips this partitioning when the graph has int inputs, so a
-  fallback op's trace-time output became a graph constant and later calls of
-  the same signature returned stale values. Partitioning is correct with int
-  inputs too: they are passed to each fused part like any other input and
-  enter its signature.
+  Graphs with int inputs are partitioned too: a fallback op left inside a
+  traced graph would run once, at trace time, and its output would be a
+  constant of the compiled program, stale for every later call of the
+  signature. Int inputs are passed to each fused part like any other input
+  and enter its signature.
   """
   if ptxla_debug or dynamo_debug:
     print(f'Dynamo fallback ops are {unsupported_nodes}. Please open a GitHub '
@@ -916,14 +925,14 @@ def _find_unsupported_nodes(xla_model: torch.fx.GraphModule,
 def _check_args(xla_args: Sequence[Any]) -> None:
   """Fails, or warns, with the argument named, before any tracing.
 
-  A tensor on another device is allowed, as upstream allows it: the nodes that
-  touch it are left out of the XLA graph and run eagerly (see
-  `UnsupportedNodesCollector`), so the result stays correct, only slower.
+  A tensor on another device is allowed: the nodes that touch it are left
+  out of the XLA graph and run eagerly (see `UnsupportedNodesCollector`), so
+  the result stays correct, only slower.
   """
   for index, arg in enumerate(xla_args):
     if isinstance(arg, torch.Tensor):
       if arg.device.type != 'xla':
-        # The message starts like upstream's, which its tests match on.
+        # torch_xla's tests match the message's opening words.
         warnings.warn(
             f'Found tensor with shape {arg.size()} on {arg.device}: '
             f'{describe_arg(index, arg)} is not on the XLA device; the ops '
@@ -953,9 +962,3 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
                                                unsupported_nodes)
   xla_model.xla_args = xla_args
   return extract_internal(xla_model)
-
-
-def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
-  torch_xla._XLAC._xla_increment_counter('DynamoExtractCompiledGraph', 1)
-  with torch_xla.experimental.eager_mode_context(False):
-    return extract_compiled_graph_helper(xla_model, xla_args)
