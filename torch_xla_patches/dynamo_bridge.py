@@ -375,7 +375,7 @@ def _flush_all_usage() -> None:
     cache.flush_usage()
 
 
-def _compile_stats() -> Tuple[int, float]:
+def compile_stats() -> Tuple[int, float]:
   """XLA compiles so far in this process, and their seconds."""
   data = metrics.metric_data('CompileTime')
   if not data:
@@ -582,7 +582,7 @@ class SignatureCache:
   def _replay(self, record: persistent.RecordedSignature,
               live_args: Sequence[Any], max_bytes: int) -> BacklogStep:
     start = time.perf_counter()
-    _, compile_seconds_before = _compile_stats()
+    _, compile_seconds_before = compile_stats()
     outcome, reason = BacklogOutcome.COMPILED, ''
     try:
       persistent.check_replayable(self.layout, record, live_args, max_bytes)
@@ -602,7 +602,7 @@ class SignatureCache:
       reason = (str(error) if isinstance(error, persistent.RecordError) else
                 f'{type(error).__name__}: {error}')
       self._skip(record.source or 'a recorded signature', reason)
-    _, compile_seconds_after = _compile_stats()
+    _, compile_seconds_after = compile_stats()
     return BacklogStep(record=record,
                        outcome=outcome,
                        reason=reason,

@@ -17,8 +17,8 @@ from typing import Any, Callable, List, Sequence, Tuple
 import torch
 
 import torch_xla
-import torch_xla.debug.metrics as metrics
 
+from torch_xla_patches import dynamo_bridge
 from torch_xla_patches import io_utils
 
 logger = logging.getLogger('torch_xla_patches.precompile')
@@ -42,14 +42,6 @@ class PrecompiledSignature:
   # Seconds XLA spent compiling during the call (0 if it was cached).
   compile_seconds: float
   xla_compiles: int
-
-
-def _compile_stats() -> Tuple[int, float]:
-  data = metrics.metric_data('CompileTime')
-  if not data:
-    return 0, 0.0
-  count, total_ns = data[0], data[1]
-  return count, total_ns / 1e9
 
 
 def _describe(args: Sequence[Any]) -> str:
@@ -112,12 +104,12 @@ def precompile(compiled_fn: Callable,
   report = []
   for spec in specs:
     args = _materialize(spec, device)
-    compiles_before, compile_seconds_before = _compile_stats()
+    compiles_before, compile_seconds_before = dynamo_bridge.compile_stats()
     start = time.perf_counter()
     compiled_fn(*args)
     torch_xla.sync()
     seconds = time.perf_counter() - start
-    compiles_after, compile_seconds_after = _compile_stats()
+    compiles_after, compile_seconds_after = dynamo_bridge.compile_stats()
     item = PrecompiledSignature(description=_describe(args),
                                 seconds=seconds,
                                 compile_seconds=compile_seconds_after -
