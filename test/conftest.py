@@ -48,6 +48,11 @@ def _installed_torch_xla_is_2_9_0() -> bool:
   return versions.installed().torch_xla == '2.9.0'
 
 
+def _xla_errors_are_exceptions() -> bool:
+  from torch_xla_patches import versions
+  return versions.xla_errors_are_exceptions()
+
+
 # feature -> (test, reason to skip where the test is False)
 FEATURES = {
     'torch_aot_compile':
@@ -56,6 +61,10 @@ FEATURES = {
     'no_torch_aot_compile':
         (_lacks_torch_aot_compile,
          'checks how releases without torch aot_compile refuse save and load'),
+    'xla_errors_are_exceptions':
+        (_xla_errors_are_exceptions,
+         'torch_xla 2.8 aborts the process on this XLA error status instead '
+         'of raising'),
     'torch_xla_2.9.0':
         (_installed_torch_xla_is_2_9_0,
          'tools/make_upstream_patch.py renders against torch_xla 2.9.0 only'),

@@ -48,6 +48,18 @@ def test_aot_compile_feature_test_matches_torch():
   assert versions.has_torch_aot_compile() == importable
 
 
+@pytest.mark.parametrize('torch_xla_version,raises', [('2.8.0', False),
+                                                      ('2.8.1', False),
+                                                      ('2.9.0', True),
+                                                      ('2.9.0+git', True)])
+def test_xla_errors_are_exceptions_from_2_9(monkeypatch, torch_xla_version,
+                                            raises):
+  monkeypatch.setattr(
+      versions, 'installed', lambda: versions.ReleasePair(
+          torch='2.9.0', torch_xla=versions.base_version(torch_xla_version)))
+  assert versions.xla_errors_are_exceptions() == raises
+
+
 def _assert_needs_torch_2_9(what, call):
   with pytest.raises(RuntimeError) as info:
     call()

@@ -19,6 +19,10 @@ What differs between the supported releases, as far as the patch goes:
     and results back (`_args_on_cuda`, `_maybe_move_tensors_to_device`,
     removed in 2.9). The patched bridge is written against 2.9 and does not:
     on 2.8 it expects XLA tensors, as 2.9 does.
+  * torch_xla 2.8 ends the process on some XLA error statuses (a fatal
+    `Non-OK-status` check) where 2.9 raises a RuntimeError: the BatchNorm
+    eval-mode backward bug (pytorch/xla#3361, eager XLA too) aborts on 2.8.
+    xla_errors_are_exceptions() tells which behaviour is installed.
   * everything else the patched bridge and decompositions.py use from
     torch_xla (`XLAConstructorMoverPass`, `alias_with_buffer_donor_config`,
     the `_XLAC` entry points, the AutogradXLA kernels) is the same in 2.8.0,
@@ -46,8 +50,15 @@ SUPPORTED_PAIRS = (
     ReleasePair(torch='2.8.0', torch_xla='2.8.1'),
     ReleasePair(torch='2.9.0', torch_xla='2.9.0'),
 )
+# The torchvision built for each torch: not a dependency, but upstream's
+# test/dynamo needs it (tools/run_upstream_tests.py names it when missing).
+TORCHVISION_FOR_TORCH = {'2.8.0': '0.23.0', '2.9.0': '0.24.0'}
 SUPPORTED_TORCH_VERSIONS = tuple(sorted({p.torch for p in SUPPORTED_PAIRS}))
 SUPPORTED_TORCH_XLA_VERSIONS = tuple(p.torch_xla for p in SUPPORTED_PAIRS)
+
+# torch_xla's error-handling rework, which turned fatal checks on XLA error
+# statuses into Python exceptions, shipped in 2.9.0.
+XLA_ERRORS_ARE_EXCEPTIONS_SINCE = '2.9.0'
 
 # torch's aot_compile (dynamo bytecode and guards saved to a file) appeared in
 # torch 2.9.0; save/load are built on it.
@@ -108,3 +119,16 @@ def require_torch_aot_compile(what: str) -> None:
       f'torch_xla_patches: {what} needs torch {TORCH_AOT_COMPILE_SINCE} or '
       f'later (torch._dynamo.aot_compile); found torch {torch.__version__}. '
       f'The rest of the patch works on torch {torch.__version__}.')
+
+
+def _release_tuple(version: str) -> tuple:
+  return tuple(int(part) for part in base_version(version).split('.')[:3])
+
+
+def xla_errors_are_exceptions() -> bool:
+  """Whether an XLA error status reaches Python as a RuntimeError.
+
+  No probe: on torch_xla 2.8 the probe itself would end the process.
+  """
+  return (_release_tuple(installed().torch_xla)
+          >= _release_tuple(XLA_ERRORS_ARE_EXCEPTIONS_SINCE))
