@@ -176,7 +176,7 @@ def render(runs: Dict[str, Dict]) -> str:
       '',
       f'Kernels overridden by `torch_xla_patches.decompositions` (symbolic '
       f'inputs only): {ops}. Root causes: `[Note: SymInt-unsafe kernels of '
-      f'torch_xla 2.9.0]` in `torch_xla_patches/decompositions.py`. Failures '
+      f'torch_xla 2.8 and 2.9]` in `torch_xla_patches/decompositions.py`. Failures '
       f'in the "eager XLA" column are torch_xla bugs outside dynamo; the '
       f'`docs/repro_*.py` scripts reproduce each failure for an upstream '
       f'report.',
