@@ -63,7 +63,7 @@ def test_unsupported_torch_xla_version_names_expected_and_found(monkeypatch):
   assert str(info.value) == (
       'torch_xla_patches supports torch 2.8.0 + torch_xla 2.8.0, '
       'torch 2.8.0 + torch_xla 2.8.1, torch 2.9.0 + torch_xla 2.9.0; '
-      f'found torch {torch.__version__} + torch_xla 2.7.0.')
+      f'found torch_xla 2.7.0 (with torch {torch.__version__}).')
   assert not torch_xla_patches.is_applied()
 
 

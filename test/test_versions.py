@@ -24,12 +24,13 @@ def test_installed_pair_is_supported():
 
 def test_releases_of_different_pairs_are_refused():
   with pytest.raises(RuntimeError) as info:
-    versions.check_supported('2.9.0', '2.8.1')
-  assert str(info.value).endswith('found torch 2.9.0 + torch_xla 2.8.1.')
-  with pytest.raises(RuntimeError,
-                     match='found torch 2.8.0 \\+ torch_xla '
-                     '2.9.0'):
+    versions.check_supported('2.9.0+cu128', '2.8.1')
+  assert str(info.value).endswith(
+      'found torch 2.9.0+cu128 with torch_xla 2.8.1, which needs torch 2.8.0.')
+  with pytest.raises(RuntimeError) as info:
     versions.check_supported('2.8.0', '2.9.0')
+  assert str(info.value).endswith(
+      'found torch 2.8.0 with torch_xla 2.9.0, which needs torch 2.9.0.')
 
 
 def test_supported_version_lists_follow_the_pairs():

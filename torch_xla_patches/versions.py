@@ -100,9 +100,17 @@ def check_supported(torch_version: Optional[str] = None,
                       torch_xla=base_version(torch_xla_version))
   if found in SUPPORTED_PAIRS:
     return
+  # Name the release that is wrong: torch_xla if no pair has it, else torch.
+  torch_for_xla = [
+      p.torch for p in SUPPORTED_PAIRS if p.torch_xla == found.torch_xla
+  ]
+  if not torch_for_xla:
+    problem = (f'torch_xla {torch_xla_version} (with torch {torch_version})')
+  else:
+    problem = (f'torch {torch_version} with torch_xla {torch_xla_version}, '
+               f'which needs torch {torch_for_xla[0]}')
   raise RuntimeError(
-      f'torch_xla_patches supports {supported_pairs_text()}; found '
-      f'torch {torch_version} + torch_xla {torch_xla_version}.')
+      f'torch_xla_patches supports {supported_pairs_text()}; found {problem}.')
 
 
 def has_torch_aot_compile() -> bool:
