@@ -19,6 +19,9 @@ What differs between the supported releases, as far as the patch goes:
     and results back (`_args_on_cuda`, `_maybe_move_tensors_to_device`,
     removed in 2.9). The patched bridge is written against 2.9 and does not:
     on 2.8 it expects XLA tensors, as 2.9 does.
+  * torch 2.8 has dynamo's C++ symbolic-shape guards off by default
+    (`enable_cpp_symbolic_shape_guards`); apply() turning them off is then a
+    no-op, and upstream's first dynamic call is not slow to begin with.
   * torch_xla 2.8 ends the process on some XLA error statuses (a fatal
     `Non-OK-status` check) where 2.9 raises a RuntimeError: the BatchNorm
     eval-mode backward bug (pytorch/xla#3361, eager XLA too) aborts on 2.8.
