@@ -30,8 +30,8 @@ settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'dev'))
 # The suite runs on every supported release (`make test TORCH_XLA=2.8.1`, see
 # torch_xla_patches/versions.py). A test that needs what only some releases
 # have says so with `@pytest.mark.requires(FEATURE)` (or a module-level
-# `pytestmark`), and is skipped elsewhere with the reason below. Feature tests
-# come from versions.py; no test compares version strings itself.
+# `pytestmark`), and is skipped elsewhere with the reason below. The features
+# are decided here, from versions.py; test bodies never compare versions.
 
 
 def _has_torch_aot_compile() -> bool:

@@ -59,8 +59,8 @@ TORCHVISION_FOR_TORCH = {'2.8.0': '0.23.0', '2.9.0': '0.24.0'}
 SUPPORTED_TORCH_VERSIONS = tuple(sorted({p.torch for p in SUPPORTED_PAIRS}))
 SUPPORTED_TORCH_XLA_VERSIONS = tuple(p.torch_xla for p in SUPPORTED_PAIRS)
 
-# torch_xla's error-handling rework, which turned fatal checks on XLA error
-# statuses into Python exceptions, shipped in 2.9.0.
+# The first release seen to raise a RuntimeError for an XLA error status that
+# torch_xla 2.8.1 turns into a fatal check (the BatchNorm eval backward bug).
 XLA_ERRORS_ARE_EXCEPTIONS_SINCE = '2.9.0'
 
 # torch's aot_compile (dynamo bytecode and guards saved to a file) appeared in
