@@ -3,7 +3,24 @@ export PJRT_DEVICE ?= CPU
 export PYTHONUNBUFFERED = 1
 
 PYTHON_BASE ?= python3.11
+
+# The torch_xla release to set up and test against, with the torch release it
+# was built for (torch_xla_patches/versions.py holds the same pairs). 2.9.0
+# uses .venv; any other release gets a venv of its own, e.g.
+# `make test TORCH_XLA=2.8.1` builds and uses .venv-2.8.1.
+TORCH_XLA ?= 2.9.0
+TORCH_FOR_2.9.0 := 2.9.0
+TORCH_FOR_2.8.1 := 2.8.0
+TORCH_FOR_2.8.0 := 2.8.0
+TORCH := $(TORCH_FOR_$(TORCH_XLA))
+ifeq ($(TORCH),)
+$(error TORCH_XLA=$(TORCH_XLA) is not supported; use 2.9.0, 2.8.1 or 2.8.0)
+endif
+ifeq ($(TORCH_XLA),2.9.0)
 VENV := .venv
+else
+VENV := .venv-$(TORCH_XLA)
+endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -11,16 +28,20 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# setup.py allows every supported release; the exact pair is pinned here.
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
-	$(PY) -m pip install --upgrade-strategy only-if-needed -e '.[test,tools]'
+	$(PY) -m pip install --upgrade-strategy only-if-needed \
+	  'torch==$(TORCH)' 'torch_xla==$(TORCH_XLA)' -e '.[test,tools]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) tools/bench_warmup.py --demo
 
+# PYTEST_ARGS: e.g. test/test_patching.py, or -k name.
+PYTEST_ARGS ?= test
 test: $(STAMP)
-	$(PY) -m pytest test -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) tools/bench_dispatch.py
@@ -34,7 +55,7 @@ format-check: $(STAMP)
 # pytorch/xla's test/dynamo without and with the patch, side by side.
 # UPSTREAM_TESTS_ARGS: e.g. --rendered, --automatic-dynamic off, --files X.py
 upstream-tests: $(STAMP)
-	@test -n "$(XLA_SRC)" || { echo 'usage: make upstream-tests XLA_SRC=/path/to/pytorch-xla-checkout'; exit 2; }
+	@test -n "$(XLA_SRC)" || { echo 'usage: make upstream-tests XLA_SRC=/path/to/pytorch-xla-checkout [TORCH_XLA=2.8.1]'; exit 2; }
 	$(PY) tools/run_upstream_tests.py --xla-src $(XLA_SRC) $(UPSTREAM_TESTS_ARGS)
 
 clean:

@@ -9,7 +9,9 @@ setup(
     packages=find_packages(
         include=['torch_xla_patches', 'torch_xla_patches.*']),
     python_requires='>=3.11,<3.12',
-    install_requires=['torch==2.9.0', 'torch_xla==2.9.0'],
+    # The supported (torch, torch_xla) pairs are torch_xla_patches/versions.py's
+    # SUPPORTED_PAIRS; `make setup TORCH_XLA=...` installs one exact pair.
+    install_requires=['torch>=2.8.0,<2.10', 'torch_xla>=2.8.0,<2.10'],
     entry_points={
         'console_scripts': [
             'torch-xla-patches-cache=torch_xla_patches.cache:main',

@@ -1,4 +1,5 @@
-"""Shared test set-up: the CPU PJRT device and hypothesis profiles."""
+"""Shared test set-up: the CPU PJRT device, hypothesis profiles, and the
+`requires` marker for tests that need a feature of one release."""
 import os
 import sys
 
@@ -24,6 +25,76 @@ settings.register_profile('debug',
                           deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'dev'))
+
+# [Note: Tests that need one release]
+# The suite runs on every supported release (`make test TORCH_XLA=2.8.1`, see
+# torch_xla_patches/versions.py). A test that needs what only some releases
+# have says so with `@pytest.mark.requires(FEATURE)` (or a module-level
+# `pytestmark`), and is skipped elsewhere with the reason below. The features
+# are decided here, from versions.py; test bodies never compare versions.
+
+
+def _has_torch_aot_compile() -> bool:
+  from torch_xla_patches import versions
+  return versions.has_torch_aot_compile()
+
+
+def _lacks_torch_aot_compile() -> bool:
+  return not _has_torch_aot_compile()
+
+
+def _installed_torch_xla_is_2_9_0() -> bool:
+  from torch_xla_patches import versions
+  return versions.installed().torch_xla == '2.9.0'
+
+
+def _xla_errors_are_exceptions() -> bool:
+  from torch_xla_patches import versions
+  return versions.xla_errors_are_exceptions()
+
+
+# feature -> (test, reason to skip where the test is False)
+FEATURES = {
+    'torch_aot_compile':
+        (_has_torch_aot_compile,
+         'needs torch 2.9 (torch._dynamo.aot_compile: save and load)'),
+    'no_torch_aot_compile':
+        (_lacks_torch_aot_compile,
+         'checks how releases without torch aot_compile refuse save and load'),
+    'xla_errors_are_exceptions':
+        (_xla_errors_are_exceptions,
+         'torch_xla 2.8 aborts the process on this XLA error status instead '
+         'of raising'),
+    'torch_xla_2.9.0':
+        (_installed_torch_xla_is_2_9_0,
+         'tools/make_upstream_patch.py renders against torch_xla 2.9.0 only'),
+}
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'requires(feature): skip unless this release has the '
+      f'feature; one of {sorted(FEATURES)} (see conftest.py)')
+
+
+def pytest_collection_modifyitems(config, items):
+  verdicts = {}
+  installed = None
+  for item in items:
+    for marker in item.iter_markers('requires'):
+      (feature,) = marker.args
+      if feature not in FEATURES:
+        raise pytest.UsageError(f'{item.nodeid}: unknown feature {feature!r}; '
+                                f'known: {sorted(FEATURES)}')
+      if feature not in verdicts:
+        verdicts[feature] = FEATURES[feature][0]()
+      if not verdicts[feature]:
+        if installed is None:
+          from torch_xla_patches import versions
+          installed = versions.installed().describe()
+        item.add_marker(
+            pytest.mark.skip(
+                reason=f'{FEATURES[feature][1]}; installed: {installed}'))
 
 
 @pytest.fixture

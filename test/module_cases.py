@@ -43,10 +43,14 @@ class KnownFailure:
       asserts it, so a different failure (or a fix) is noticed.
     why: one line for the table.
     repro: the minimal reproducer under docs/.
+    aborts_on_fatal_xla_errors: the bug is an XLA error status, which
+      torch_xla 2.8 turns into a process abort instead of an exception
+      (see versions.xla_errors_are_exceptions): the case cannot run there.
   """
   match: str
   why: str
   repro: str
+  aborts_on_fatal_xla_errors: bool = False
 
 
 @dataclasses.dataclass
@@ -247,7 +251,8 @@ BN_EVAL_BACKWARD = KnownFailure(
     match=r'size of mean should be compatible with feature count',
     why=('torch_xla\'s native_batch_norm_backward reads the empty '
          'save_mean in eval mode (eager XLA too; pytorch/xla#3361)'),
-    repro='docs/repro_batch_norm_eval_backward.py')
+    repro='docs/repro_batch_norm_eval_backward.py',
+    aborts_on_fatal_xla_errors=True)
 
 # Pooling's output size is computed with a rounding division whose meta
 # implementation guards on the input size's parity: one graph for even and
@@ -280,6 +285,14 @@ NOTES = {
          'patched bridge partitions it; repro: '
          '`docs/repro_adaptive_avg_pool2d_dynamic.py`'),
 }
+
+
+def aborts_here(case: Case) -> bool:
+  """Whether running `case` would end this process (torch_xla 2.8)."""
+  from torch_xla_patches import versions
+  return (case.known_failure is not None and
+          case.known_failure.aborts_on_fatal_xla_errors and
+          not versions.xla_errors_are_exceptions())
 
 
 def cases() -> List[Case]:

@@ -30,7 +30,15 @@ def patched():
   module_cases.disable(module_cases.PATCHED)
 
 
-@pytest.mark.parametrize('case', CASES, ids=[c.name for c in CASES])
+def _param(case):
+  # A torch_xla bug that aborts the process on 2.8 cannot be asserted there.
+  marks = ([pytest.mark.requires('xla_errors_are_exceptions')]
+           if case.known_failure is not None and
+           case.known_failure.aborts_on_fatal_xla_errors else [])
+  return pytest.param(case, marks=marks, id=case.name)
+
+
+@pytest.mark.parametrize('case', [_param(c) for c in CASES])
 def test_module(patched, case):
   result = module_cases.run_case(case, torch_xla.device())
   if case.known_failure is not None:

@@ -9,7 +9,7 @@ import torch_xla._dynamo.dynamo_bridge as upstream_bridge
 import torch_xla.core.dynamo_bridge as core_bridge
 
 import torch_xla_patches
-from torch_xla_patches import _patching, config, dynamo_bridge
+from torch_xla_patches import _patching, config, dynamo_bridge, serialization, versions
 
 UPSTREAM_EXTRACT = upstream_bridge.extract_compiled_graph
 
@@ -78,11 +78,13 @@ def test_a_refused_apply_changes_nothing(monkeypatch, tmp_path):
 
 
 def test_unsupported_torch_xla_version_names_expected_and_found(monkeypatch):
-  monkeypatch.setattr(torch_xla, '__version__', '2.8.1')
+  monkeypatch.setattr(torch_xla, '__version__', '2.7.0')
   with pytest.raises(RuntimeError) as info:
     torch_xla_patches.apply()
-  assert str(info.value) == ("torch_xla_patches supports torch_xla ('2.9.0',), "
-                             'found torch_xla 2.8.1.')
+  assert str(info.value) == (
+      'torch_xla_patches supports torch 2.8.0 + torch_xla 2.8.0, '
+      'torch 2.8.0 + torch_xla 2.8.1, torch 2.9.0 + torch_xla 2.9.0; '
+      f'found torch_xla 2.7.0 (with torch {torch.__version__}).')
   assert not torch_xla_patches.is_applied()
 
 
@@ -90,6 +92,15 @@ def test_unsupported_torch_version(monkeypatch):
   monkeypatch.setattr(torch, '__version__', '2.10.0+cpu')
   with pytest.raises(RuntimeError, match=r"found torch 2\.10\.0\+cpu"):
     torch_xla_patches.apply()
+
+
+def test_serializable_backend_registered_only_with_torch_aot_compile():
+  from torch._dynamo.backends import registry
+  torch_xla_patches.apply()
+  assert (serialization.BACKEND_NAME
+          in registry._COMPILER_FNS) == (versions.has_torch_aot_compile())
+  torch_xla_patches.revert()
+  assert serialization.BACKEND_NAME not in registry._COMPILER_FNS
 
 
 def test_changed_bridge_signature_is_refused(monkeypatch):

@@ -11,6 +11,8 @@ import torch
 from torch_xla_patches import serialization
 from bridge_testing import run_python
 
+pytestmark = pytest.mark.requires('torch_aot_compile')
+
 # The model lives in a file of its own so both processes (and the source
 # digest) see the same class.
 MODEL_SOURCE = '''

@@ -39,9 +39,11 @@ DESELECTED = (
     'test/test_dynamo_bridge.py::test_default_mode_goes_dynamic_on_second_shape',
 )
 
-pytestmark = pytest.mark.skipif(
-    bool(os.environ.get(upstream_mode.MODE_ENV)),
-    reason='already running in an upstream_mode subprocess')
+pytestmark = [
+    pytest.mark.skipif(bool(os.environ.get(upstream_mode.MODE_ENV)),
+                       reason='already running in an upstream_mode subprocess'),
+    pytest.mark.requires('torch_xla_2.9.0'),
+]
 
 
 @pytest.fixture(scope='module')

@@ -168,7 +168,8 @@ def main(argv=None):
     return statistics.median(getattr(t, field) for t in samples[key])
 
   labels = [
-      ('upstream 2.9.0, per torch.compile call', 'upstream torch.compile call'),
+      (f'upstream {torch_xla.__version__}, per torch.compile call',
+       'upstream torch.compile call'),
       ('patched, per torch.compile call', 'patched torch.compile call'),
       ('upstream bridge only (no dynamo wrapper)', 'upstream bridge only'),
       ('patched bridge only (no dynamo wrapper)', 'patched bridge only'),

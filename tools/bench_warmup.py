@@ -4,15 +4,17 @@ A built-in decoder LM (token embedding, N pre-norm blocks with causal SDPA and
 a GELU MLP, tied output head) is served over a grid of (batch, seq) shapes.
 Each mode runs in a fresh process, one after another in this run:
 
-  upstream-static    torch_xla 2.9.0 bridge, dynamic=False (a trace per shape)
-  upstream-dynamic   torch_xla 2.9.0 bridge, dynamic=True
+  upstream-static    the installed torch_xla's bridge, dynamic=False (a trace
+                     per shape)
+  upstream-dynamic   the installed torch_xla's bridge, dynamic=True
   patched-cold       torch_xla_patches.apply(), dynamic=True, empty index
   patched-precompile patched, torch_xla_patches.precompile(grid) then serve
   patched-index      patched, fresh process whose index the cold run filled
   patched-artifact   patched, fresh process that loads a saved artifact
                      (torch_xla_patches.save after a separate process served
                      the grid): no dynamo trace; first result, then the
-                     recorded signatures precompiled, then the grid served
+                     recorded signatures precompiled, then the grid served;
+                     needs torch 2.9 (on 2.8 its row reports that)
 
 For each: wall seconds to serve the grid once (after model set-up), time to
 the first result, dynamo frame compiles, lazy traces, XLA compiles and seconds

@@ -1,13 +1,20 @@
 """Before/after table of the module survey (test/module_cases.py).
 
-  python tools/module_survey.py            # all modes, writes docs/module_survey.md
+  python tools/module_survey.py            # all modes, writes the table
   python tools/module_survey.py --only LayerNorm --no-write
 
 Every mode runs in its own subprocess, so no patch state leaks between them:
   eager           the XLA module without torch.compile (torch_xla's own bugs)
-  upstream        torch.compile(dynamic=True), torch_xla 2.9.0 as released
+  upstream        torch.compile(dynamic=True), the installed torch_xla as
+                  released
   decompositions  upstream bridge + torch_xla_patches.decompositions.install()
   patched         torch_xla_patches.apply() (bridge + decompositions)
+
+The table goes to docs/module_survey.md on torch_xla 2.9.0 and to
+docs/module_survey_torch_xla_<version>.md on other releases (run it with that
+release's venv, e.g. .venv-2.8.1/bin/python). A case whose known torch_xla
+bug aborts the process on this release (module_cases.aborts_here) is not run
+and reads "aborts" in every column.
 """
 import argparse
 import dataclasses
@@ -26,10 +33,23 @@ sys.path.insert(0, ROOT)
 MODES = ('eager', 'upstream', 'decompositions', 'patched')
 HEADERS = {
     'eager': 'eager XLA',
-    'upstream': 'upstream 2.9.0',
+    'upstream': 'upstream {torch_xla}',
     'decompositions': 'decompositions only',
     'patched': 'with the patch',
 }
+
+
+def _header(mode: str, runs: Dict[str, Dict]) -> str:
+  torch_xla_version = next(iter(runs.values()))['torch_xla']
+  return HEADERS[mode].format(torch_xla=torch_xla_version)
+
+
+def default_output() -> str:
+  from torch_xla_patches import versions
+  release = versions.installed().torch_xla
+  name = ('module_survey.md'
+          if release == '2.9.0' else f'module_survey_torch_xla_{release}.md')
+  return os.path.join(ROOT, 'docs', name)
 
 
 def run_mode(mode: str, only: List[str]) -> Dict:
@@ -46,6 +66,15 @@ def run_mode(mode: str, only: List[str]) -> Dict:
   try:
     for case in module_cases.cases():
       if only and not any(o.lower() in case.name.lower() for o in only):
+        continue
+      if module_cases.aborts_here(case):
+        results.append(
+            dataclasses.asdict(
+                module_cases.CaseResult(
+                    case.name,
+                    ok=False,
+                    error=f'aborts the process on torch_xla '
+                    f'{torch_xla.__version__}; not run')))
         continue
       result = module_cases.run_case(case,
                                      torch_xla.device(),
@@ -120,17 +149,16 @@ def render(runs: Dict[str, Dict]) -> str:
       '',
   ]
   for mode in modes:
-    lines.append(f'- **{HEADERS[mode]}**: {runs[mode]["description"]}')
-  lines += ['', '| Pass | ' + ' | '.join(HEADERS[m] for m in modes) + ' |']
+    lines.append(f'- **{_header(mode, runs)}**: {runs[mode]["description"]}')
+  headers = [_header(m, runs) for m in modes]
+  lines += ['', '| Pass | ' + ' | '.join(headers) + ' |']
   lines.append('|---|' + '---|' * len(modes))
   counts = [
       sum(_passed(by_mode[m].get(c.name), c) for c in cases) for m in modes
   ]
   lines.append('| total | ' +
                ' | '.join(f'{n} / {len(cases)}' for n in counts) + ' |')
-  lines += [
-      '', '| Module | ' + ' | '.join(HEADERS[m] for m in modes) + ' | Notes |'
-  ]
+  lines += ['', '| Module | ' + ' | '.join(headers) + ' | Notes |']
   lines.append('|---|' + '---|' * (len(modes) + 1))
   for case in cases:
     cells = [_cell(by_mode[m].get(case.name), case, m) for m in modes]
@@ -148,7 +176,7 @@ def render(runs: Dict[str, Dict]) -> str:
       '',
       f'Kernels overridden by `torch_xla_patches.decompositions` (symbolic '
       f'inputs only): {ops}. Root causes: `[Note: SymInt-unsafe kernels of '
-      f'torch_xla 2.9.0]` in `torch_xla_patches/decompositions.py`. Failures '
+      f'torch_xla 2.8 and 2.9]` in `torch_xla_patches/decompositions.py`. Failures '
       f'in the "eager XLA" column are torch_xla bugs outside dynamo; the '
       f'`docs/repro_*.py` scripts reproduce each failure for an upstream '
       f'report.',
@@ -168,7 +196,8 @@ def main() -> int:
                       default=','.join(MODES),
                       help='comma-separated modes to run')
   parser.add_argument('--output',
-                      default=os.path.join(ROOT, 'docs', 'module_survey.md'))
+                      help='default: docs/module_survey.md on torch_xla 2.9.0, '
+                      'docs/module_survey_torch_xla_<version>.md otherwise')
   parser.add_argument('--no-write',
                       action='store_true',
                       help='print the table only')
@@ -212,9 +241,10 @@ def main() -> int:
   table = render(runs)
   print(table)
   if not args.no_write:
-    with open(args.output, 'w') as f:
+    output = args.output or default_output()
+    with open(output, 'w') as f:
       f.write(table)
-    print(f'wrote {args.output}', file=sys.stderr)
+    print(f'wrote {output}', file=sys.stderr)
   return 0
 
 

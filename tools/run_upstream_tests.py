@@ -39,7 +39,12 @@ Known differences, on torch_xla 2.9.0 and the CPU device:
     recorded after the result is readable. Rerun a single file with --files.
 torchvision is needed by test_dynamo.py and test_dynamo_dynamic_shape.py; it
 is not a dependency of this project (pip install torchvision==0.24.0 for
-torch 2.9.0).
+torch 2.9.0, torchvision==0.23.0 for torch 2.8.0).
+
+Other releases: run the tool with that release's venv and the tests of the
+same pytorch/xla tag, e.g. `make upstream-tests TORCH_XLA=2.8.1
+XLA_SRC=<v2.8.1 checkout>`. --rendered needs torch_xla 2.9.0 (the renderer
+refuses other releases).
 """
 import argparse
 import dataclasses
@@ -57,6 +62,7 @@ from typing import Dict, List, Optional
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, 'test'))
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
+sys.path.insert(0, REPO_ROOT)
 
 import upstream_mode  # noqa: E402  (test/upstream_mode.py)
 
@@ -201,12 +207,19 @@ def format_table(files: List[str], columns: List[Column],
 
 
 def environment_notes() -> List[str]:
-  notes = []
+  from torch_xla_patches import versions
+  installed = versions.installed()
+  notes = [
+      f'installed: {installed.describe()}; run the tests of the same '
+      'pytorch/xla tag'
+  ]
   if importlib.util.find_spec('torchvision') is None:
+    torchvision = versions.TORCHVISION_FOR_TORCH.get(installed.torch, '?')
     notes.append('torchvision is NOT installed: test_dynamo.py and '
                  'test_dynamo_dynamic_shape.py import it and fail in every '
                  'column. It is not a project dependency; install it with '
-                 '`pip install torchvision==0.24.0` (for torch 2.9.0).')
+                 f'`pip install torchvision=={torchvision}` (for torch '
+                 f'{installed.torch}).')
   missing = [
       m for m in ('jax', 'torchax') if importlib.util.find_spec(m) is None
   ]

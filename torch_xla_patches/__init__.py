@@ -15,29 +15,16 @@ from typing import Any, Optional
 
 from torch_xla_patches import _patching
 from torch_xla_patches import config
+from torch_xla_patches import versions
 from torch_xla_patches.warmup import TensorSpec
 
-SUPPORTED_TORCH_XLA_VERSIONS = ('2.9.0',)
-SUPPORTED_TORCH_VERSIONS = ('2.9.0',)
+# See [Note: Supported releases] in versions.py.
+SUPPORTED_TORCH_XLA_VERSIONS = versions.SUPPORTED_TORCH_XLA_VERSIONS
+SUPPORTED_TORCH_VERSIONS = versions.SUPPORTED_TORCH_VERSIONS
 
 _registry = _patching.PatchRegistry()
 _lock = threading.Lock()
 _decompositions_installed = False
-
-
-def _base_version(version: str) -> str:
-  return version.split('+')[0]
-
-
-def _check_versions(torch_version: str, torch_xla_version: str) -> None:
-  if _base_version(torch_xla_version) not in SUPPORTED_TORCH_XLA_VERSIONS:
-    raise RuntimeError(
-        f'torch_xla_patches supports torch_xla {SUPPORTED_TORCH_XLA_VERSIONS}, '
-        f'found torch_xla {torch_xla_version}.')
-  if _base_version(torch_version) not in SUPPORTED_TORCH_VERSIONS:
-    raise RuntimeError(
-        f'torch_xla_patches supports torch {SUPPORTED_TORCH_VERSIONS}, '
-        f'found torch {torch_version}.')
 
 
 def is_applied() -> bool:
@@ -83,7 +70,7 @@ def apply(*,
     if is_applied():
       return
     # Everything that can refuse runs before anything changes.
-    _check_versions(torch.__version__, torch_xla.__version__)
+    versions.check_supported(torch.__version__, torch_xla.__version__)
     for module in (upstream_bridge, core_bridge):
       target = _patching.PatchTarget(module, 'extract_compiled_graph')
       current = getattr(module, 'extract_compiled_graph', None)
@@ -128,7 +115,8 @@ def apply(*,
       from torch_xla_patches import decompositions
       decompositions.install()
       _decompositions_installed = True
-    serialization.register_backend()
+    if versions.has_torch_aot_compile():
+      serialization.register_backend()
 
 
 def _install_log_handler() -> None:

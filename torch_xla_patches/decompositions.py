@@ -20,7 +20,9 @@ traced graph (so the XLA program) is unchanged. uninstall() removes the
 kernels and clears the ops' dispatch caches, which restores the original
 dispatch.
 
-[Note: SymInt-unsafe kernels of torch_xla 2.9.0]
+[Note: SymInt-unsafe kernels of torch_xla 2.8 and 2.9]
+The same four kernels fail the same way in torch_xla 2.8.1 and 2.9.0
+(docs/module_survey*.md); 2.8.0 has 2.8.1's C++ sources.
 native_layer_norm: torch_xla's AutogradXLA kernel runs ATen's
   `math_native_layer_norm`, which calls `numel()` on the input. With symbolic
   sizes that raises "Cannot call numel() on tensor with symbolic
@@ -48,6 +50,8 @@ from typing import Any, Callable, Dict, List
 
 import torch
 from torch._C import DispatchKey
+
+from torch_xla_patches import versions
 
 aten = torch.ops.aten
 
@@ -160,7 +164,8 @@ def _check_target(op: torch._ops.OpOverload) -> None:
   if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), _KEY):
     raise RuntimeError(
         f'torch_xla_patches.decompositions expects torch_xla to register an '
-        f'{_KEY.name} kernel for {op}; found none. Supported: torch_xla 2.9.0.')
+        f'{_KEY.name} kernel for {op}; found none. Supported: '
+        f'{versions.supported_pairs_text()}.')
   if _KEY in op.py_kernels:
     raise RuntimeError(f'{op} already has a Python {_KEY.name} kernel '
                        f'({op.py_kernels[_KEY]!r}); not overriding it.')

@@ -59,10 +59,18 @@ import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch._dynamo.aot_compile import SerializableCallable
 
 from torch_xla_patches import io_utils
 from torch_xla_patches import persistent
+from torch_xla_patches.versions import (has_torch_aot_compile,
+                                        require_torch_aot_compile)
+
+if has_torch_aot_compile():
+  from torch._dynamo.aot_compile import SerializableCallable
+else:
+  # torch 2.8: the module imports, and aot_compile/save/load say which torch
+  # they need (see [Note: Supported releases] in versions.py).
+  SerializableCallable = object
 from torch_xla_patches.signature import ArgKind
 
 logger = logging.getLogger('torch_xla_patches.serialization')
@@ -575,6 +583,7 @@ def aot_compile(model: Any,
       guards `0 <= size` instead. The bridge traces each signature on real
       tensors, so a size of 1 is still computed as eager does.
   """
+  require_torch_aot_compile('torch_xla_patches.serialization.aot_compile')
   import torch._dynamo
   if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
     model = model._orig_mod
@@ -610,6 +619,7 @@ def save(compiled: Any,
       function / torch.compile'd module, which is then captured with
       aot_compile on `example_inputs` (positional arguments).
   """
+  require_torch_aot_compile('torch_xla_patches.save')
   if not isinstance(compiled, CompiledModel):
     if example_inputs is None:
       raise TypeError('torch_xla_patches.save: pass a CompiledModel, or a '
@@ -710,6 +720,7 @@ def load(path: str,
   Raises:
     ArtifactCorruptError, ArtifactMismatchError.
   """
+  require_torch_aot_compile('torch_xla_patches.load')
   header, payload = read_header(os.fspath(path))
   header.check_runtime()
   if model is None:
