@@ -234,7 +234,7 @@ sys.path.insert(0, {model_dir!r})
 import torch, torch_xla
 import torch_xla.debug.metrics as met
 import torch_xla_patches
-from torch_xla_patches import serialization
+from torch_xla_patches import artifact, serialization
 from tiny_model import TinyNet
 torch_xla_patches.apply()
 device = torch_xla.device()
@@ -286,7 +286,7 @@ def damaged_copy(path, out, damage):
   damage(inner_state['signatures'])
   state['compiled_fn'] = (deserializer, pickle.dumps(inner_state))
   stream = io.BytesIO()
-  serialization._ClosurePickler(stream).dump(state)
+  artifact.ClosurePickler(stream).dump(state)
   payload = stream.getvalue()
   header.update(payload_sha256=hashlib.sha256(payload).hexdigest(),
                 payload_size=len(payload))

@@ -1,0 +1,198 @@
+"""The artifact file: what `save` writes and `load` reads.
+
+[Note: Artifact safety]
+The file is a magic line, a JSON header and a pickle payload. The header holds
+the payload's SHA-256 and size, the torch, torch_xla and Python versions, and
+a digest of the model's source (see source_digest.py). `load` refuses, with
+`ArtifactMismatchError` naming expected and found values, an artifact from
+other versions or for other source, because the saved bytecode and graph may
+then compute something else. A file that is truncated or does not parse
+raises `ArtifactCorruptError`. Both are `ArtifactError`s. The payload is a
+pickle: load only files you trust.
+
+The payload is torch's AOTCompiledFunction state (dynamo's bytecode, guards
+and the backend's serialized callable), written by `serialize_aot` (see
+[Note: Closures in saved functions]).
+"""
+import dataclasses
+import hashlib
+import importlib
+import io
+import json
+import pickle
+import platform
+import types
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from torch_xla_patches import io_utils
+from torch_xla_patches import torch_internals
+
+FORMAT_VERSION = 1
+_MAGIC = b'TORCH_XLA_PATCHES_AOT\n'
+# The header is one JSON line; anything longer than this is not our file.
+_MAX_HEADER_BYTES = 1 << 20
+
+
+class ArtifactError(RuntimeError):
+  """An artifact that cannot be loaded; the message says why."""
+
+
+class ArtifactCorruptError(ArtifactError):
+  """The file is truncated, altered, or not an artifact at all."""
+
+
+class ArtifactMismatchError(ArtifactError):
+  """The artifact was made for other versions or other model source."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArtifactHeader:
+  """What `load` checks before it unpickles anything but the header."""
+  format_version: int
+  torch_version: str
+  torch_xla_version: str
+  python_version: str
+  # 'Block', 'DecoderLM', ... or the function's qualified name.
+  model_name: str
+  # SHA-256 over model_source_parts (see source_digest.source_parts).
+  model_source_digest: str
+  # {qualified class or function name: SHA-256 of its source}.
+  model_source_parts: Dict[str, str]
+  # Whether the function was a bound method (called as fn(model, *args)).
+  bound_method: bool
+  # Positional arguments of a call to warm up with: an input spec per
+  # argument (see io_utils.arg_spec), or None if they cannot be rebuilt.
+  example_args: Optional[List[Any]]
+  payload_sha256: str
+  payload_size: int
+
+  def check_runtime(self) -> None:
+    expected = {
+        'torch': self.torch_version,
+        'torch_xla': self.torch_xla_version,
+        'Python': self.python_version,
+    }
+    found = runtime_versions()
+    differing = [
+        f'{name} {expected[name]} (found {found[name]})' for name in expected
+        if expected[name] != found[name]
+    ]
+    if differing:
+      raise ArtifactMismatchError(
+          'torch_xla_patches: the artifact was saved with ' +
+          ', '.join(differing) + '; refusing to load it. Save it again with '
+          'the versions of this process.')
+
+
+def runtime_versions() -> Dict[str, str]:
+  import torch_xla
+  return {
+      'torch': torch.__version__,
+      'torch_xla': torch_xla.__version__,
+      'Python': platform.python_version(),
+  }
+
+
+class ClosurePickler(pickle.Pickler):
+  """Pickles Python modules by name (a closure over `torch` is common)."""
+
+  def reducer_override(self, obj):
+    if isinstance(obj, types.ModuleType):
+      return importlib.import_module, (obj.__name__,)
+    return NotImplemented
+
+
+def serialize_aot(aot_fn) -> bytes:
+  """Like AOTCompiledFunction.serialize, but also for functions with a
+  closure.
+
+  [Note: Closures in saved functions]
+  torch 2.9 pickles the captured function's closure cells as they are, and
+  cells do not pickle ("cannot pickle 'cell' object"), so a forward that
+  uses a name from an enclosing function (a class defined in a function that
+  imports torch) cannot be saved with torch's serialize. Here each cell is
+  saved as its contents (modules by name) and made a cell again on load.
+  The rest of the state is what torch's serialize writes."""
+  SerializedCode = torch_internals.serialized_code()
+  state = torch_internals.aot_artifacts(aot_fn).__dict__.copy()
+  # Rebuilt on load from guards_state, as torch does.
+  state['guard_manager'] = None
+  state['bytecode'] = SerializedCode.from_code_object(state['bytecode'])
+  state['original_code'] = SerializedCode.from_code_object(
+      state['original_code'])
+  compiled_fn = state['compiled_fn']
+  state['compiled_fn'] = (
+      type(compiled_fn).deserialize_compile_artifacts,
+      type(compiled_fn).serialize_compile_artifacts(compiled_fn))
+  if state['closure'] is not None:
+    state['closure'] = tuple(cell.cell_contents for cell in state['closure'])
+  with io.BytesIO() as stream:
+    ClosurePickler(stream).dump(state)
+    return stream.getvalue()
+
+
+def deserialize_aot(data: bytes):
+  AOTCompiledFunction, CompileArtifacts = (
+      torch_internals.aot_compiled_function_types())
+  SerializedCode = torch_internals.serialized_code()
+  state = pickle.loads(data)
+  state['bytecode'] = SerializedCode.to_code_object(state['bytecode'])
+  state['original_code'] = SerializedCode.to_code_object(state['original_code'])
+  deserializer, compiled_state = state['compiled_fn']
+  state['compiled_fn'] = deserializer(compiled_state)
+  if state['closure'] is not None:
+    state['closure'] = tuple(types.CellType(v) for v in state['closure'])
+  # AOTCompiledFunction rebuilds torch's guards from guards_state here.
+  return AOTCompiledFunction(CompileArtifacts(**state))
+
+
+def write(path: str, header: ArtifactHeader, payload: bytes) -> None:
+  """Writes the file atomically; `header` holds the payload's digest and
+  size (see [Note: Artifact safety])."""
+  header_line = json.dumps(dataclasses.asdict(header),
+                           sort_keys=True).encode() + b'\n'
+  io_utils.atomic_write_bytes(path,
+                              _MAGIC + header_line + payload,
+                              prefix='.tmp-aot-')
+
+
+def read_header(path: str) -> Tuple[ArtifactHeader, bytes]:
+  """The header and the verified payload; ArtifactCorruptError if unusable."""
+  try:
+    with open(path, 'rb') as f:
+      data = f.read()
+  except OSError as e:
+    raise ArtifactError(f'torch_xla_patches: cannot read artifact {path}: '
+                        f'{e}') from None
+  if not data.startswith(_MAGIC):
+    raise ArtifactCorruptError(
+        f'torch_xla_patches: {path} is not a torch_xla_patches artifact '
+        '(no magic line)')
+  end = data.find(b'\n', len(_MAGIC), len(_MAGIC) + _MAX_HEADER_BYTES)
+  if end < 0:
+    raise ArtifactCorruptError(
+        f'torch_xla_patches: artifact {path} has no complete header')
+  try:
+    fields = json.loads(data[len(_MAGIC):end])
+    header = ArtifactHeader(**fields)
+  except (ValueError, TypeError) as e:
+    raise ArtifactCorruptError(
+        f'torch_xla_patches: artifact {path} has a malformed header: '
+        f'{e}') from None
+  if header.format_version != FORMAT_VERSION:
+    raise ArtifactMismatchError(
+        f'torch_xla_patches: artifact {path} has format version '
+        f'{header.format_version}, expected {FORMAT_VERSION}')
+  payload = data[end + 1:]
+  if len(payload) != header.payload_size:
+    raise ArtifactCorruptError(
+        f'torch_xla_patches: artifact {path} is truncated or padded: payload '
+        f'of {len(payload)} bytes, expected {header.payload_size}')
+  digest = hashlib.sha256(payload).hexdigest()
+  if digest != header.payload_sha256:
+    raise ArtifactCorruptError(
+        f'torch_xla_patches: artifact {path} is corrupt: payload SHA-256 '
+        f'{digest}, expected {header.payload_sha256}')
+  return header, payload

@@ -1,0 +1,259 @@
+"""The `openxla_serializable` dynamo backend, whose compiled callable torch's
+aot_compile can save.
+
+torch 2.9's `aot_compile` saves dynamo's bytecode and guards, and needs the
+backend's compiled callable to be a `SerializableCallable`. The `openxla`
+backend returns a closure, so this backend returns an
+`XlaSerializableCallable`: it runs the graph through the patched bridge and
+serializes the FX graph dynamo handed over (`GraphPickler`) and the shape
+signatures the bridge compiled for it (`persistent.make_record` of each), so a
+loading process replays them (see [Note: Precompile on load]). The graph is
+dynamo's (torch-level ops, before AOTAutograd): inference only.
+"""
+import dataclasses
+import pickle
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import persistent
+from torch_xla_patches import torch_internals
+from torch_xla_patches.artifact import ArtifactCorruptError
+
+BACKEND_NAME = 'openxla_serializable'
+# Version of the state serialize_compile_artifacts writes.
+STATE_FORMAT_VERSION = 1
+SerializableCallable = torch_internals.serializable_callable_base()
+
+
+def _records_to_state(
+    kinds: Optional[List[str]],
+    records: Sequence[persistent.RecordedSignature]) -> Dict[str, Any]:
+  return {
+      # Informational: each record is checked against the live graph's kinds.
+      'kinds':
+          kinds,
+      'specs': [list(r.specs) for r in records],
+      'shardings': [
+          None if r.shardings is None else list(r.shardings) for r in records
+      ],
+  }
+
+
+def _records_from_state(state: Any) -> Tuple[persistent.RecordedSignature, ...]:
+  """The recorded signatures of a deserialized artifact, unchecked: each is
+  checked against the live graph when it is replayed (see [Note: Index
+  contents are untrusted]), so a damaged one is skipped there, counted and
+  named, never fatal."""
+  if state is None:
+    return ()
+  specs = state.get('specs') if isinstance(state, dict) else state
+  shardings = state.get('shardings') if isinstance(state, dict) else None
+  if not isinstance(specs, list):
+    # Kept as one record that fails its check when replayed, so the damage
+    # is reported and counted like any other.
+    specs = [specs]
+  if not isinstance(shardings, list) or len(shardings) != len(specs):
+    shardings = [None] * len(specs)
+  records = []
+  for index, (raw, raw_shardings) in enumerate(zip(specs, shardings)):
+    try:
+      record_id = persistent.record_id_of(raw, raw_shardings)
+    except (TypeError, ValueError):
+      record_id = f'unreadable-{index}'
+    records.append(
+        persistent.RecordedSignature(
+            record_id=record_id,
+            specs=tuple(raw) if isinstance(raw, list) else raw,
+            shardings=(tuple(raw_shardings)
+                       if isinstance(raw_shardings, list) else raw_shardings),
+            source='the artifact'))
+  return tuple(records)
+
+
+def _pickle_graph(graph_module: torch.fx.GraphModule) -> bytes:
+  GraphPickler, Options = torch_internals.graph_pickler()
+  for node in graph_module.graph.nodes:
+    # dynamo keeps a placeholder's fake value under 'example_value'; the
+    # bridge's ArgLayout reads 'val' to tell static from symbolic sizes.
+    if node.op == 'placeholder' and 'val' not in node.meta:
+      if 'example_value' in node.meta:
+        node.meta['val'] = node.meta['example_value']
+  # Only what the bridge reads survives: the rest of dynamo's metadata
+  # (sources, stack traces, weak references) is not needed to run the graph
+  # and not always picklable.
+  kept = {}
+  for node in graph_module.graph.nodes:
+    kept[node] = node.meta
+    node.meta = {k: v for k, v in node.meta.items() if k in ('val',)}
+  try:
+    # ops_filter=None: dynamo's graph calls torch-level functions and tensor
+    # methods, not just aten ops.
+    return GraphPickler.dumps(graph_module, Options(ops_filter=None))
+  finally:
+    for node, meta in kept.items():
+      node.meta = meta
+
+
+def _unpickle_graph(data: bytes) -> torch.fx.GraphModule:
+  from torch._subclasses.fake_tensor import FakeTensorMode
+  GraphPickler, _ = torch_internals.graph_pickler()
+  from torch.fx.experimental.symbolic_shapes import ShapeEnv
+  # Fake values (and their symbolic sizes) are rebuilt in a mode of their
+  # own; they are only read as metadata.
+  fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+  graph_module = GraphPickler.loads(data, fake_mode)
+  # The pickled module carries no generated forward; make it.
+  graph_module.recompile()
+  return graph_module
+
+
+class XlaSerializableCallable(SerializableCallable):
+  """The compiled callable of the `openxla_serializable` backend.
+
+  Runs the graph through the patched bridge, compiling on the first call
+  (like upstream's `xla_backend_helper`), and records each new signature so
+  it can be saved.
+
+  Args:
+    graph_bytes: the pickled FX graph (see _pickle_graph).
+    graph_module: the graph to run; unpickled from graph_bytes if None.
+    recorded: signatures to compile on the first call (from an artifact).
+  """
+
+  def __init__(self,
+               graph_bytes: bytes,
+               graph_module: Optional[torch.fx.GraphModule] = None,
+               recorded: Sequence[persistent.RecordedSignature] = ()):
+    self._graph_bytes = graph_bytes
+    self._graph_module = (graph_module if graph_module is not None else
+                          _unpickle_graph(graph_bytes))
+    self._single_output = _returns_one_value(self._graph_module)
+    # From an artifact: queued on the first call, and saved again whether or
+    # not they were compiled here.
+    self._loaded = tuple(recorded)
+    self._compiled = None
+    self._cache = None
+    # A record of every signature served here, by key, in first-seen order.
+    self._seen: Dict[Any, persistent.RecordedSignature] = {}
+    # The first call's arguments: the live parameters later replays use.
+    self._live_args: Optional[List[Any]] = None
+
+  def name_source(self, source: str) -> None:
+    """Names the file the loaded signatures came from, for messages."""
+    self._loaded = tuple(
+        dataclasses.replace(r, source=source) for r in self._loaded)
+
+  # -- running
+
+  def __call__(self, *args):
+    if self._compiled is None:
+      self._compile_first(list(args))
+    cache = self._cache
+    if cache is not None:
+      key = cache.key_of(args)
+      if key not in self._seen:
+        self._seen[key] = persistent.make_record(cache.layout, args)
+    out = self._compiled(*args)
+    # The bridge unwraps a single output (upstream's convention); dynamo's
+    # bytecode indexes the graph's output tuple.
+    if self._single_output and not isinstance(out, (tuple, list)):
+      return (out,)
+    return out
+
+  def _compile_first(self, args: List[Any]) -> None:
+    from torch_xla_patches import config
+    self._compiled = dynamo_bridge.extract_compiled_graph(
+        self._graph_module, args)
+    cache = getattr(self._compiled, 'signature_cache', None)
+    if cache is None:
+      # The bridge partitioned the graph around CPU fallback ops: each XLA
+      # part has its own cache; signatures are then compiled on demand.
+      return
+    self._cache = cache
+    self._live_args = args
+    # [Note: Precompile on load]
+    # The signatures an artifact recorded join the graph's backlog after the
+    # first call's own and are replayed by the bridge (see [Note: Replaying
+    # recorded signatures]) as config.precompile_mode says: all before the
+    # first call returns ('sync', within the replay bounds; the rest one
+    # after each call), one after each call ('interleaved'), or when
+    # CompiledModel.precompile_pending() is called ('off').
+    cache.queue_recorded(self._loaded, except_args=args)
+    if config.precompile_mode == 'sync':
+      cache.drain_backlog(args,
+                          max_count=config.replay_sync_max_signatures or None,
+                          seconds=config.replay_sync_seconds or None)
+
+  def precompile_pending(self) -> int:
+    """Compiles the backlog now; returns how many signatures it compiled."""
+    if self._cache is None or not self._cache.backlog_size:
+      return 0
+    return self._cache.drain_backlog(self._live_args).compiled
+
+  def recorded_signatures(self) -> Tuple[persistent.RecordedSignature, ...]:
+    """Signatures to save: those served here, then those loaded."""
+    records = list(self._seen.values())
+    ids = {r.record_id for r in records}
+    records.extend(r for r in self._loaded if r.record_id not in ids)
+    return tuple(records)
+
+  # -- SerializableCallable
+
+  @classmethod
+  def serialize_compile_artifacts(cls, fn: 'XlaSerializableCallable') -> bytes:
+    records = fn.recorded_signatures()
+    kinds = None
+    if fn._cache is not None:
+      kinds = [kind.value for kind in fn._cache.layout.kinds]
+    return pickle.dumps({
+        'format_version': STATE_FORMAT_VERSION,
+        'graph': fn._graph_bytes,
+        'signatures': _records_to_state(kinds, records) if records else None,
+    })
+
+  @classmethod
+  def deserialize_compile_artifacts(cls,
+                                    data: bytes) -> 'XlaSerializableCallable':
+    state = pickle.loads(data)
+    if not isinstance(
+        state, dict) or state.get('format_version') != STATE_FORMAT_VERSION:
+      raise ArtifactCorruptError(
+          'torch_xla_patches: compiled graph format '
+          f'{state.get("format_version") if isinstance(state, dict) else state!r}'
+          f', expected {STATE_FORMAT_VERSION}')
+    return XlaSerializableCallable(state['graph'],
+                                   recorded=_records_from_state(
+                                       state.get('signatures')))
+
+
+def _returns_one_value(graph_module: torch.fx.GraphModule) -> bool:
+  for node in graph_module.graph.nodes:
+    if node.op == 'output':
+      out = node.args[0]
+      return isinstance(out, (tuple, list)) and len(out) == 1
+  return False
+
+
+def openxla_serializable(graph_module: torch.fx.GraphModule,
+                         example_inputs: Sequence[Any]):
+  """Dynamo backend: like `openxla_eval` (no AOTAutograd), but serializable.
+
+  Inference only, see the module docstring.
+  """
+  del example_inputs  # compiled on the first real call, like openxla
+  graph_bytes = _pickle_graph(graph_module)
+  return XlaSerializableCallable(graph_bytes, graph_module=graph_module)
+
+
+def register_backend() -> None:
+  """Registers `openxla_serializable` with dynamo (apply() calls this)."""
+  torch_internals.backend_registry().setdefault(BACKEND_NAME,
+                                                openxla_serializable)
+
+
+def unregister_backend() -> None:
+  registry = torch_internals.backend_registry()
+  if registry.get(BACKEND_NAME) is openxla_serializable:
+    del registry[BACKEND_NAME]
