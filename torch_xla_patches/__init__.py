@@ -16,7 +16,7 @@ from typing import Any, Optional
 from torch_xla_patches import _patching
 from torch_xla_patches import config
 from torch_xla_patches import versions
-from torch_xla_patches.warmup import TensorSpec
+from torch_xla_patches.io_utils import TensorSpec
 
 # See [Note: Supported releases] in versions.py.
 SUPPORTED_TORCH_XLA_VERSIONS = versions.SUPPORTED_TORCH_XLA_VERSIONS

@@ -1,14 +1,15 @@
 """File and tensor helpers shared by the index, warm-up and serialization.
 
-Tensors are described in records by a tensor spec, {"shape": [...],
-"dtype": "float32"}; `canonical_json` is the one way a record is frozen to a
-string (for identities and de-duplication).
+A tensor is described by a `TensorSpec` (sizes and dtype), and an argument by
+an `ArgSpec` (a TensorSpec's JSON form, or a number); `canonical_json` is the
+one way a record is frozen to a string (for identities and de-duplication).
 """
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
@@ -24,38 +25,6 @@ def dtype_from_name(name: Any) -> torch.dtype:
   return dtype
 
 
-def tensor_spec(tensor: torch.Tensor) -> Dict[str, Any]:
-  """A tensor's sizes and dtype, as records and artifacts hold them."""
-  return {
-      'shape': [int(s) for s in tensor.shape],
-      'dtype': dtype_name(tensor.dtype)
-  }
-
-
-def describe_tensor_spec(spec: Dict[str, Any]) -> str:
-  return f'{spec["dtype"]}{list(spec["shape"])}'
-
-
-def arg_spec(arg: Any) -> Dict[str, Any]:
-  """How records hold an argument: a tensor spec, or {"value": number}."""
-  if isinstance(arg, torch.Tensor):
-    return tensor_spec(arg)
-  return {'value': arg}
-
-
-def arg_from_spec(spec: Dict[str, Any], device: Any) -> Any:
-  """The argument `arg_spec` described: zeros of its sizes, or the number."""
-  if 'value' in spec:
-    return spec['value']
-  return tensor_from_spec(spec, device)
-
-
-def describe_arg_spec(spec: Dict[str, Any]) -> str:
-  if 'value' in spec:
-    return repr(spec['value'])
-  return describe_tensor_spec(spec)
-
-
 def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
                     device: Any) -> torch.Tensor:
   """Zeros made on the host and copied: zeros made on the device would be a
@@ -63,8 +32,56 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
   return torch.zeros(tuple(shape), dtype=dtype).to(device)
 
 
-def tensor_from_spec(spec: Dict[str, Any], device: Any) -> torch.Tensor:
-  return zeros_on_device(spec['shape'], dtype_from_name(spec['dtype']), device)
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """A tensor described by its sizes and dtype; `materialize` makes zeros.
+
+  Records and artifacts hold it as JSON, `to_json()`:
+  {"shape": [...], "dtype": "float32"}.
+  """
+  shape: Tuple[int, ...]
+  dtype: torch.dtype = torch.float32
+
+  @classmethod
+  def of(cls, tensor: torch.Tensor) -> 'TensorSpec':
+    return cls(tuple(int(s) for s in tensor.shape), tensor.dtype)
+
+  @classmethod
+  def from_json(cls, spec: Dict[str, Any]) -> 'TensorSpec':
+    return cls(tuple(spec['shape']), dtype_from_name(spec['dtype']))
+
+  def to_json(self) -> Dict[str, Any]:
+    return {'shape': list(self.shape), 'dtype': dtype_name(self.dtype)}
+
+  def materialize(self, device: Any) -> torch.Tensor:
+    return zeros_on_device(self.shape, self.dtype, device)
+
+  def describe(self) -> str:
+    return f'{dtype_name(self.dtype)}{list(self.shape)}'
+
+
+# An argument as records and artifacts hold it: a TensorSpec's JSON form, or
+# {"value": number}.
+ArgSpec = Dict[str, Any]
+
+
+def arg_spec(arg: Any) -> ArgSpec:
+  if isinstance(arg, torch.Tensor):
+    return TensorSpec.of(arg).to_json()
+  return {'value': arg}
+
+
+def arg_from_spec(spec: ArgSpec, device: Any) -> Any:
+  """The argument `arg_spec` described: zeros of its sizes, or the number."""
+  if 'value' in spec:
+    return spec['value']
+  return TensorSpec.from_json(spec).materialize(device)
+
+
+def describe_arg_spec(spec: ArgSpec) -> str:
+  if 'value' in spec:
+    return repr(spec['value'])
+  return TensorSpec.from_json(spec).describe()
 
 
 def canonical_json(value: Any) -> str:

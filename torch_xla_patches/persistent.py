@@ -83,7 +83,9 @@ MAX_FILE_BYTES = 16 << 20
 # Temp files this old were left by a writer that died.
 STALE_TEMP_SECONDS = 3600.0
 
-InputSpec = Optional[Dict[str, Any]]
+# What a record holds per graph input: an ArgSpec, or None for a parameter or
+# static tensor, taken from the live call.
+InputSpec = Optional[io_utils.ArgSpec]
 
 
 class RecordError(ValueError):

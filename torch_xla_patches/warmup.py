@@ -20,18 +20,9 @@ import torch_xla
 
 from torch_xla_patches import dynamo_bridge
 from torch_xla_patches import io_utils
+from torch_xla_patches.io_utils import TensorSpec
 
 logger = logging.getLogger('torch_xla_patches.precompile')
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-  """A tensor argument given by shape and dtype; precompile makes zeros."""
-  shape: Tuple[int, ...]
-  dtype: torch.dtype = torch.float32
-
-  def materialize(self, device) -> torch.Tensor:
-    return io_utils.zeros_on_device(self.shape, self.dtype, device)
 
 
 @dataclasses.dataclass(frozen=True)
