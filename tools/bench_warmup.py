@@ -26,6 +26,7 @@ spent in XLA compile. Prints a markdown table, writes JSON and a PNG chart.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -333,15 +334,20 @@ def short_reason(error: BaseException) -> str:
   """`Type: first line` of the innermost cause, short enough for a table."""
   while error.__cause__ is not None:
     error = error.__cause__
-  lines = str(error).strip().splitlines() or ['']
-  message = lines[0]
-  # dynamo wraps the real error: "... failed to run FX node ...: got X".
+  kind = type(error).__name__
+  message = (str(error).strip().splitlines() or [''])[0]
+  # dynamo wraps the real error: "... failed to run FX node ...: got
+  # RuntimeError('the message\nmore')": keep the inner type and first line.
   if ': got ' in message:
     message = message.rsplit(': got ', 1)[1]
+    inner = re.match(r"(\w+)\(['\"](.*)", message)
+    if inner:
+      kind, message = inner.group(1), inner.group(2)
+    message = re.split(r"\\n|['\"]\)$", message)[0]
   message = message.replace('|', '/')
   if len(message) > 90:
     message = message[:87] + '...'
-  return f'{type(error).__name__}: {message}'
+  return f'{kind}: {message}'
 
 
 def format_table(results, grid_name: str) -> str:
