@@ -1,6 +1,6 @@
 """Renders the patched dynamo bridge as a pull request onto pytorch/xla.
 
-  python tools/make_upstream_patch.py [--out build/upstream] [--xla-src DIR]
+  python tools/make_upstream_patch.py [--out build/upstream]
 
 torch_xla_patches/dynamo_bridge.py has the shape of torch_xla's
 torch_xla/_dynamo/dynamo_bridge.py: the same names, and the top-level
@@ -481,26 +481,9 @@ def call_parameters(node: ast.stmt) -> Optional[List[str]]:
   return names + (['**' + args.kwarg.arg] if args.kwarg else [])
 
 
-def users_in_checkout(xla_src: str, name: str) -> List[str]:
-  """Files of a pytorch/xla checkout that mention `name` next to a bridge
-  import (a plain text search: a reviewer reads the list)."""
-  users = []
-  for top in ('test', 'examples', 'torch_xla'):
-    for directory, _, filenames in os.walk(os.path.join(xla_src, top)):
-      for filename in sorted(f for f in filenames if f.endswith('.py')):
-        path = os.path.join(directory, filename)
-        if path.endswith(os.path.join('_dynamo', 'dynamo_bridge.py')):
-          continue
-        text = _read(path)
-        if 'dynamo_bridge' in text and re.search(rf'\b{name}\b', text):
-          users.append(os.path.relpath(path, xla_src))
-  return sorted(users)
-
-
-def conflicts(upstream: str, bridge: str, removed: Sequence[str],
-              xla_src: Optional[str]) -> List[str]:
+def conflicts(upstream: str, bridge: str, removed: Sequence[str]) -> List[str]:
   """Shared functions and classes whose parameters changed, and removed
-  names, with the checkout's files that use them."""
+  names."""
   old = {
       name: call_parameters(n) for n in ast.parse(upstream).body
       for name in bound_names(n)
@@ -510,18 +493,9 @@ def conflicts(upstream: str, bridge: str, removed: Sequence[str],
     for name in bound_names(node) & set(old):
       new = call_parameters(node)
       if None not in (old[name], new) and old[name] != new:
-        found.append((name, f'{name}({", ".join(old[name])}) -> '
-                      f'{name}({", ".join(new)})'))
-  found += [(name, f'{name} is removed') for name in removed]
-  out = []
-  for name, what in found:
-    users = users_in_checkout(xla_src, name) if xla_src else []
-    if users:
-      what += f'; used by {", ".join(users)}'
-    elif xla_src:
-      what += '; no use in test/, examples/ or torch_xla/'
-    out.append(what)
-  return out
+        found.append(f'{name}({", ".join(old[name])}) -> '
+                     f'{name}({", ".join(new)})')
+  return found + [f'{name} is removed' for name in removed]
 
 
 def unified_diff(before: Optional[str], after: str,
@@ -558,7 +532,6 @@ def yapf_format(source: str) -> str:
 
 
 def render(out_dir: str = DEFAULT_OUT,
-           xla_src: Optional[str] = None,
            bridge_path: str = BRIDGE_PATH) -> RenderResult:
   version = installed_torch_xla_version()
   if version.split('+')[0] != SUPPORTED_TORCH_XLA:
@@ -662,7 +635,7 @@ def render(out_dir: str = DEFAULT_OUT,
                       companions=companions,
                       config_flags=sorted(flags),
                       conflicts=conflicts(upstream_bridge, bridge_source,
-                                          dropped, xla_src),
+                                          dropped),
                       review=review,
                       combined_patch=combined)
 
@@ -699,14 +672,10 @@ def print_report(result: RenderResult, out=None) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default=DEFAULT_OUT, help='output directory')
-  parser.add_argument(
-      '--xla-src',
-      help='a pytorch/xla checkout: list its files that use names whose '
-      'parameters changed or that were removed')
   parser.add_argument('--bridge', default=BRIDGE_PATH, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   try:
-    result = render(args.out, args.xla_src, args.bridge)
+    result = render(args.out, args.bridge)
   except RefusedError as error:
     print(f'make_upstream_patch: refused: {error}', file=sys.stderr)
     return 2
