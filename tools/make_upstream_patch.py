@@ -75,20 +75,25 @@ class RefusedError(Exception):
   """The tool cannot render a trustworthy patch; the message says why."""
 
 
-@dataclasses.dataclass
-class Rendering:
-  """What render() wrote and what a reviewer of the pull request reads."""
-  diff_sizes: Dict[str, Tuple[int, int]]  # repo path -> (added, removed)
-  # The bridge's top-level statements, by the names they bind: upstream's
-  # with changed text, upstream's with the same text, and new ones.
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+  """The rendered bridge against upstream's, by the names statements bind."""
+  # Upstream's statements with changed text, with the same text, and new
+  # ones (those copied from upstream aside).
   replaced: List[str]
   unchanged: List[str]
   added: List[str]
   removed: Dict[str, str]  # upstream definitions and imports dropped -> why
+  conflicts: List[str]  # changed parameters, removed definitions
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendering(Comparison):
+  """What render() wrote and what a reviewer of the pull request reads."""
+  diff_sizes: Dict[str, Tuple[int, int]]  # repo path -> (added, removed)
   kept: Dict[str, str]  # upstream definitions copied in -> who needs them
   companions: List[str]  # package modules rendered as new files
   config_flags: List[str]
-  conflicts: List[str]
   review: List[str]
 
 
@@ -106,7 +111,10 @@ def installed_torch_xla_version() -> str:
 
 def installed_upstream_file(name: str) -> str:
   package_dir = importlib.util.find_spec('torch_xla').submodule_search_locations
-  return os.path.join(package_dir[0], '_dynamo', name)
+  path = os.path.join(package_dir[0], '_dynamo', name)
+  if not os.path.exists(path):
+    raise RefusedError(f'installed torch_xla has no _dynamo/{name} ({path})')
+  return path
 
 
 def bound_names(node: ast.stmt) -> Set[str]:
@@ -298,11 +306,9 @@ def call_parameters(node: ast.stmt) -> Optional[List[str]]:
   return names + (['**' + args.kwarg.arg] if args.kwarg else [])
 
 
-def compare(upstream: str, bridge: str, kept: List[str]):
-  """Checks the rendered bridge against CALLERS and REMOVED. Returns its
-  statements but those copied from upstream, as replaced, unchanged and added
-  (by the names they bind), the upstream names it drops (-> why), and the
-  conflicts with upstream callers: changed parameters, removed definitions."""
+def compare(upstream: str, bridge: str, kept: List[str]) -> Comparison:
+  """Checks the rendered bridge against CALLERS and REMOVED, and compares it
+  with upstream's; `kept` are the names copied from upstream."""
   upstream_tree, tree = ast.parse(upstream), ast.parse(bridge)
   names = top_level_names(tree.body)
   missing = sorted(set(CALLERS) - names)
@@ -343,7 +349,11 @@ def compare(upstream: str, bridge: str, kept: List[str]):
         conflicts.append(f'{name}({", ".join(old)}) -> '
                          f'{name}({", ".join(new)})')
   conflicts += [f'{n} is removed' for n in REMOVED]
-  return replaced, unchanged, added, removed, conflicts
+  return Comparison(replaced=replaced,
+                    unchanged=unchanged,
+                    added=added,
+                    removed=removed,
+                    conflicts=conflicts)
 
 
 def unified_diff(before: Optional[str], after: str,
@@ -402,8 +412,7 @@ def render(out_dir: str = DEFAULT_OUT,
   for module, text in rendered.items():
     check_rendered(text, f'torch_xla/_dynamo/{module}.py')
 
-  replaced, unchanged, added, removed, conflicts = compare(
-      upstream_bridge, rendered['dynamo_bridge'], kept)
+  comparison = compare(upstream_bridge, rendered['dynamo_bridge'], kept)
 
   # Output files: each module and its diff, then all the diffs.
   before = {'dynamo_bridge': upstream_bridge, 'config': upstream_config}
@@ -430,9 +439,12 @@ def render(out_dir: str = DEFAULT_OUT,
       for number, line in enumerate(text.split('\n'), 1)
       if REVIEW_PATTERN.search(line)
   ]
-  kept = {n: CALLERS.get(n, 'the bridge uses it') for n in kept}
-  return Rendering(diff_sizes, replaced, unchanged, added, removed, kept,
-                   list(companions), sorted(flags), conflicts, review)
+  return Rendering(**vars(comparison),
+                   diff_sizes=diff_sizes,
+                   kept={n: CALLERS.get(n, 'the bridge uses it') for n in kept},
+                   companions=list(companions),
+                   config_flags=sorted(flags),
+                   review=review)
 
 
 def print_report(result: Rendering) -> None:
