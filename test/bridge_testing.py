@@ -9,7 +9,7 @@ import torch._dynamo
 import torch_xla
 import torch_xla.debug.metrics as met
 
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import backlog, dynamo_bridge
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,6 +20,8 @@ BRIDGE_COUNTERS = (
     dynamo_bridge.COUNTER_RETRACE,
     dynamo_bridge.COUNTER_DROPPED,
     dynamo_bridge.COUNTER_FALLBACK_PARTITION,
+    backlog.COUNTER_PRECOMPILED,
+    backlog.COUNTER_PRECOMPILE_SKIPPED,
     'UncachedCompile',
 )
 

@@ -4,6 +4,9 @@ import os
 import sys
 
 os.environ.setdefault('PJRT_DEVICE', 'CPU')
+# A replay failure that no check of a record explains raises in the suite
+# (config.strict_replay), here and in the processes tests start.
+os.environ.setdefault('XLA_PATCHES_STRICT_REPLAY', '1')
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest

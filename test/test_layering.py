@@ -1,40 +1,60 @@
-"""Dependencies inside the package run one way: a module imports only the
-modules below it in LAYERS (function-level imports included)."""
+"""The package's architecture, written down: which layer each module belongs
+to, and the rules its imports follow.
+
+  * A module imports only modules of its own layer or of lower layers
+    (function-level imports included), and the imports inside one layer
+    form no cycle.
+  * A module never reaches into another package module's private names
+    (`other._name`, `from other import _name`): it uses public functions and
+    methods.
+README and CONTRIBUTING point here rather than repeating the layers.
+"""
 import ast
 import os
 import sys
+from typing import Dict, Set
 
 import pytest
 
 import torch_xla_patches
 
-# Bottom first. The order README's layout lists.
+# Bottom first.
 LAYERS = (
-    'versions',
-    'config',
-    '_patching',
-    'signature',
-    'io_utils',
-    'fingerprint',
-    'persistent',
-    'dynamo_bridge',
-    'decompositions',
-    'warmup',
-    'torch_internals',
-    'source_digest',
-    'artifact',
-    'serializable_backend',
-    'serialization',
-    'cache',
-    '__init__',
+    ('foundation',
+     {'versions', 'config', '_patching', 'io_utils', 'torch_internals'}),
+    # What each graph input is, and the per-call key.
+    ('signature', {'signature'}),
+    # What is kept on disk: records (index and artifact alike), the index,
+    # graph fingerprints.
+    ('records and index', {'record', 'signature_index', 'fingerprint'}),
+    # Per-signature entries, the backlog of recorded signatures, and the
+    # SymInt-safe kernels tracing needs.
+    ('bridge', {'backlog', 'dynamo_bridge', 'decompositions'}),
+    # Users of the bridge, through its public methods.
+    ('warm-up, serialization and tools', {
+        'warmup', 'source_digest', 'artifact', 'serializable_backend',
+        'serialization', 'cache'
+    }),
+    ('package API', {'__init__'}),
 )
+LAYER_OF = {
+    module: number for number, (_, modules) in enumerate(LAYERS)
+    for module in modules
+}
 PACKAGE_DIR = os.path.dirname(torch_xla_patches.__file__)
 
 
-def package_imports(module: str):
-  """The package modules `module` imports anywhere in its source."""
+def _tree(module: str) -> ast.AST:
   with open(os.path.join(PACKAGE_DIR, module + '.py')) as f:
-    tree = ast.parse(f.read())
+    return ast.parse(f.read())
+
+
+def package_imports(module: str) -> Set[str]:
+  """The package modules `module` imports anywhere in its source."""
+  return imports_in(_tree(module))
+
+
+def imports_in(tree: ast.AST) -> Set[str]:
   found = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.ImportFrom) and node.module:
@@ -46,29 +66,87 @@ def package_imports(module: str):
       for alias in node.names:
         if alias.name.startswith('torch_xla_patches.'):
           found.add(alias.name.split('.')[1])
+  return found & set(LAYER_OF)
+
+
+def private_uses(tree: ast.AST) -> Set[str]:
+  """`other._name` and `from other import _name` for package modules."""
+  # Local name -> package module, from this module's imports.
+  aliases: Dict[str, str] = {}
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      target = node.module.split('.')
+      if target[0] != 'torch_xla_patches':
+        continue
+      for alias in node.names:
+        if len(target) == 1 and alias.name in LAYER_OF:
+          aliases[alias.asname or alias.name] = alias.name
+        elif alias.name.startswith('_') and len(target) == 2:
+          found.add(f'{target[1]}.{alias.name}')
+    elif isinstance(node, ast.Import):
+      for alias in node.names:
+        parts = alias.name.split('.')
+        if parts[0] == 'torch_xla_patches' and len(parts) == 2 and alias.asname:
+          aliases[alias.asname] = parts[1]
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and
+        node.value.id in aliases and node.attr.startswith('_') and
+        not node.attr.startswith('__')):
+      found.add(f'{aliases[node.value.id]}.{node.attr}')
   return found
 
 
-def test_every_module_has_a_layer():
+def test_every_module_has_exactly_one_layer():
   modules = {
       name[:-3] for name in os.listdir(PACKAGE_DIR) if name.endswith('.py')
   }
-  assert modules == set(LAYERS)
+  assert modules == set(LAYER_OF)
+  assert sum(len(m) for _, m in LAYERS) == len(LAYER_OF)
 
 
-@pytest.mark.parametrize('module', LAYERS)
-def test_imports_only_lower_layers(module):
+@pytest.mark.parametrize('module', sorted(LAYER_OF))
+def test_imports_only_its_own_or_lower_layers(module):
   higher = {
       name for name in package_imports(module)
-      if LAYERS.index(name) >= LAYERS.index(module)
+      if LAYER_OF[name] > LAYER_OF[module]
   }
-  assert not higher, f'{module} imports {sorted(higher)}, which sit above it'
+  assert not higher, (f'{module} ({LAYERS[LAYER_OF[module]][0]}) imports '
+                      f'{sorted(higher)}, which sit above it')
 
 
-def test_the_bridge_imports_neither_warmup_nor_serialization():
-  assert not package_imports('dynamo_bridge') & {
-      'warmup', 'serialization', 'serializable_backend', 'artifact'
+def test_no_import_cycle_inside_a_layer():
+  for name, modules in LAYERS:
+    graph = {m: package_imports(m) & modules - {m} for m in modules}
+    done: Set[str] = set()
+
+    def visit(module, path):
+      assert module not in path, (f'import cycle in layer {name}: '
+                                  f'{" -> ".join(path + [module])}')
+      if module in done:
+        return
+      for dependency in graph[module]:
+        visit(dependency, path + [module])
+      done.add(module)
+
+    for module in modules:
+      visit(module, [])
+
+
+@pytest.mark.parametrize('module', sorted(LAYER_OF))
+def test_no_module_uses_another_modules_private_names(module):
+  assert not private_uses(_tree(module))
+
+
+def test_the_checks_see_violations():
+  tree = ast.parse('from torch_xla_patches import record as r, signature\n'
+                   'from torch_xla_patches.backlog import _Budget, Backlog\n'
+                   'import torch_xla_patches.serialization as s\n'
+                   'r._short(1); signature.tuple_getter; s._warm_up\n')
+  assert private_uses(tree) == {
+      'record._short', 'backlog._Budget', 'serialization._warm_up'
   }
+  assert imports_in(tree) == {'record', 'signature', 'backlog', 'serialization'}
 
 
 if __name__ == '__main__':

@@ -98,9 +98,9 @@ def run(cache_dir, batches, env):
 
 def fill_index(cache_dir, total):
   sys.path.insert(0, REPO_ROOT)
-  from torch_xla_patches import persistent
-  (directory,) = persistent.graph_directories(cache_dir)
-  index = persistent.open_graph_directory(directory)
+  from torch_xla_patches import record, signature_index
+  (directory,) = signature_index.graph_directories(cache_dir)
+  index = signature_index.open_graph_directory(directory, max_signatures=0)
   (recorded,) = index.load().records
   for batch in range(10, 10 + total - 1):
     specs = tuple({'value': batch} if spec == {'value': 2} else ({
@@ -109,10 +109,9 @@ def fill_index(cache_dir, total):
     } if spec and spec.get('shape', [None])[0] == 2 else spec)
                   for spec in recorded.specs)
     index.record(
-        persistent.RecordedSignature(record_id=persistent.record_id_of(
-            specs, None),
-                                     specs=specs,
-                                     shardings=None))
+        record.RecordedSignature(record_id=record.record_id_of(specs, None),
+                                 specs=specs,
+                                 shardings=None))
   return len(index.load().records)
 
 

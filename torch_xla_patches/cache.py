@@ -21,24 +21,28 @@ import time
 from typing import Any, Dict, List, Optional
 
 from torch_xla_patches import config
-from torch_xla_patches import persistent
+from torch_xla_patches import record
+from torch_xla_patches import signature_index
 
 
 def _graph_summary(directory: str) -> Dict[str, Any]:
   """One graph directory: its records (ranked) and its unusable files."""
   name = os.path.basename(directory)
   try:
-    index = persistent.open_graph_directory(directory)
-  except persistent.RecordError as e:
-    return {'graph': name, 'error': f'{persistent.GRAPH_FILE}: {e}'}
-  with _no_cap():
-    contents = index.load()
+    # No cap: list everything the directory holds.
+    index = signature_index.open_graph_directory(directory, max_signatures=0)
+  except record.RecordError as e:
+    return {'graph': name, 'error': f'{signature_index.GRAPH_FILE}: {e}'}
+  contents = index.load()
   parts = index.fingerprint.as_dict()
   files = os.listdir(directory)
   return {
-      'graph': name,
-      'torch_xla_version': parts.get('torch_xla_version', '?'),
-      'device_kind': parts.get('device_kind', '?'),
+      'graph':
+          name,
+      'torch_xla_version':
+          parts.get('torch_xla_version', '?'),
+      'device_kind':
+          parts.get('device_kind', '?'),
       'signatures': [{
           'signature': record.describe(),
           'served': record.served,
@@ -49,27 +53,21 @@ def _graph_summary(directory: str) -> Dict[str, Any]:
           'file': os.path.basename(p.path),
           'reason': p.reason
       } for p in contents.problems],
-      'usage_files': sum(f.startswith(persistent.USAGE_PREFIX) for f in files),
-      'snapshots': sum(f.startswith(persistent.SNAPSHOT_PREFIX) for f in files),
+      'usage_files':
+          sum(f.startswith(signature_index.USAGE_PREFIX) for f in files),
+      'snapshots':
+          sum(f.startswith(signature_index.SNAPSHOT_PREFIX) for f in files),
   }
 
 
-@contextlib.contextmanager
-def _no_cap():
-  saved = config.index_max_signatures
-  config.index_max_signatures = 0
-  try:
-    yield
-  finally:
-    config.index_max_signatures = saved
-
-
 def _summaries(cache_dir: str) -> List[Dict[str, Any]]:
-  return [_graph_summary(d) for d in persistent.graph_directories(cache_dir)]
+  return [
+      _graph_summary(d) for d in signature_index.graph_directories(cache_dir)
+  ]
 
 
 def _old_format_files(cache_dir: str) -> List[str]:
-  root = os.path.join(cache_dir, persistent.SIGNATURES_DIR)
+  root = os.path.join(cache_dir, signature_index.SIGNATURES_DIR)
   if not os.path.isdir(root):
     return []
   return sorted(
@@ -124,7 +122,7 @@ def cmd_stats(cache_dir: str, as_json: bool, _args) -> int:
       'usage_files':
           sum(g['usage_files'] for g in good),
       'index_bytes':
-          _tree_size(os.path.join(cache_dir, persistent.SIGNATURES_DIR)),
+          _tree_size(os.path.join(cache_dir, signature_index.SIGNATURES_DIR)),
       # torch_xla 2.9 writes these but cannot load them back.
       'persisted_executable_bytes':
           _tree_size(os.path.join(cache_dir, 'xla')),
@@ -165,29 +163,24 @@ def cmd_verify(cache_dir: str, as_json: bool, _args) -> int:
 
 
 def cmd_prune(cache_dir: str, as_json: bool, args) -> int:
-  saved = config.index_max_signatures
-  if args.max is not None:
-    config.index_max_signatures = args.max
+  cap = config.index_max_signatures if args.max is None else args.max
   results = []
-  try:
-    for directory in persistent.graph_directories(cache_dir):
-      try:
-        index = persistent.open_graph_directory(directory)
-      except persistent.RecordError as e:
-        results.append({'graph': os.path.basename(directory), 'error': str(e)})
-        continue
-      contents = index.load()
-      before = len(contents.records) + contents.over_cap
-      compacted = index.compact(force=True)
-      after = len(index.load().records)
-      results.append({
-          'graph': os.path.basename(directory),
-          'compacted': compacted,
-          'signatures_before': before,
-          'signatures_after': after,
-      })
-  finally:
-    config.index_max_signatures = saved
+  for directory in signature_index.graph_directories(cache_dir):
+    try:
+      index = signature_index.open_graph_directory(directory, cap)
+    except record.RecordError as e:
+      results.append({'graph': os.path.basename(directory), 'error': str(e)})
+      continue
+    contents = index.load()
+    before = len(contents.records) + contents.over_cap
+    compacted = index.compact(force=True)
+    after = len(index.load().records)
+    results.append({
+        'graph': os.path.basename(directory),
+        'compacted': compacted,
+        'signatures_before': before,
+        'signatures_after': after,
+    })
   if as_json:
     print(json.dumps(results, indent=1))
   else:
@@ -204,7 +197,7 @@ def cmd_prune(cache_dir: str, as_json: bool, args) -> int:
 
 def cmd_clear(cache_dir: str, as_json: bool, _args) -> int:
   removed = []
-  for sub in (persistent.SIGNATURES_DIR, 'xla'):
+  for sub in (signature_index.SIGNATURES_DIR, 'xla'):
     path = os.path.join(cache_dir, sub)
     if os.path.isdir(path):
       shutil.rmtree(path)

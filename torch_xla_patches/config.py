@@ -15,8 +15,64 @@ never change a program are declared in `XLA_ENV_NOT_IN_PROGRAM`; every other
 an `XLA_PATCHES_*` variable that is not declared here.
 """
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Dict, Tuple
+
+
+class FlagError(ValueError):
+  """A flag's value is not one it accepts; the message names the flag, the
+  value and what it accepts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagKind:
+  """The values a flag accepts.
+
+  Args:
+    accepted: the accepted values, for messages.
+    parse: environment text -> value; raises ValueError.
+    is_valid: whether a value (from the environment or apply()) is accepted.
+  """
+  accepted: str
+  parse: Callable[[str], Any]
+  is_valid: Callable[[Any], bool]
+
+
+_TRUE = ('1', 'true', 'yes', 'on')
+_FALSE = ('0', 'false', 'no', 'off')
+
+
+def _parse_bool(text: str) -> bool:
+  value = text.strip().lower()
+  if value not in _TRUE + _FALSE:
+    raise ValueError(text)
+  return value in _TRUE
+
+
+def _is_real(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+BOOL = FlagKind(', '.join(_TRUE + _FALSE), _parse_bool,
+                lambda value: isinstance(value, bool))
+# An int >= 0, where 0 turns the bound off.
+BOUND = FlagKind('an integer >= 0 (0: no bound)', int,
+                 lambda value: _is_real(value) and int(value) == value >= 0)
+# A number of seconds >= 0, where 0 turns the bound off.
+SECONDS_BOUND = FlagKind(
+    'a number of seconds >= 0 (0: no bound)', float,
+    lambda value: _is_real(value) and math.isfinite(value) and value >= 0)
+SECONDS = FlagKind(
+    'a number of seconds >= 0', float,
+    lambda value: _is_real(value) and math.isfinite(value) and value >= 0)
+PATH = FlagKind('a directory path', str,
+                lambda value: value is None or isinstance(value, str))
+
+
+def choice(*values: str) -> FlagKind:
+  return FlagKind(' or '.join(repr(v) for v in values), str,
+                  lambda value: value in values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,47 +82,44 @@ class Flag:
   Args:
     attribute: name of the attribute in this module.
     env_var: environment variable read at import.
+    kind: the values it accepts.
     changes_program: whether its value can change a compiled XLA program.
   """
   attribute: str
   env_var: str
+  kind: FlagKind
   changes_program: bool
+
+  def error(self, value: Any) -> FlagError:
+    return FlagError(f'{self.env_var} (config.{self.attribute}) is {value!r}; '
+                     f'it accepts {self.kind.accepted}')
 
 
 FLAGS: Dict[str, Flag] = {}
 
 
-def _parse_int(name: str, value: str) -> int:
+def _flag(attribute: str, env_var: str, default: Any, kind: FlagKind, *,
+          changes_program: bool) -> Any:
+  flag = Flag(attribute, env_var, kind, changes_program)
+  FLAGS[env_var] = flag
+  text = os.environ.get(env_var)
+  if text is None or text == '':
+    return default
   try:
-    return int(value)
+    value = kind.parse(text)
   except ValueError:
-    raise ValueError(f'{name} must be an integer, got {value!r}') from None
-
-
-def _parse_float(name: str, value: str) -> float:
-  try:
-    return float(value)
-  except ValueError:
-    raise ValueError(f'{name} must be a number, got {value!r}') from None
-
-
-def _parse_bool(name: str, value: str) -> bool:
-  del name
-  return value.strip().lower() in ('1', 'true', 'yes', 'on')
-
-
-def _parse_str(name: str, value: str) -> str:
-  del name
+    raise flag.error(text) from None
+  if not kind.is_valid(value):
+    raise flag.error(text)
   return value
 
 
-def _flag(attribute: str, env_var: str, default: Any,
-          parse: Callable[[str, str], Any], *, changes_program: bool) -> Any:
-  FLAGS[env_var] = Flag(attribute, env_var, changes_program)
-  value = os.environ.get(env_var)
-  if value is None or value == '':
-    return default
-  return parse(env_var, value)
+def check(attribute: str, value: Any) -> None:
+  """Raises FlagError unless `value` is one config.<attribute> accepts (for
+  values given to apply())."""
+  (flag,) = [f for f in FLAGS.values() if f.attribute == attribute]
+  if not flag.kind.is_valid(value):
+    raise flag.error(value)
 
 
 def flag_values() -> Dict[str, Any]:
@@ -80,7 +133,7 @@ def flag_values() -> Dict[str, Any]:
 max_signatures_per_graph = _flag('max_signatures_per_graph',
                                  'XLA_PATCHES_MAX_SIGNATURES',
                                  1024,
-                                 _parse_int,
+                                 BOUND,
                                  changes_program=False)
 
 # Log, for every signature miss after the first trace of a graph, which part
@@ -88,7 +141,7 @@ max_signatures_per_graph = _flag('max_signatures_per_graph',
 explain_misses = _flag('explain_misses',
                        'XLA_PATCHES_EXPLAIN_MISSES',
                        False,
-                       _parse_bool,
+                       BOOL,
                        changes_program=False)
 
 # torch_xla turns off dynamo's automatic dynamic shapes at import
@@ -99,7 +152,7 @@ explain_misses = _flag('explain_misses',
 automatic_dynamic_shapes = _flag('automatic_dynamic_shapes',
                                  'XLA_PATCHES_AUTOMATIC_DYNAMIC',
                                  True,
-                                 _parse_bool,
+                                 BOOL,
                                  changes_program=True)
 
 # Install SymInt-safe tracing rules for XLA kernels that break dynamic tracing
@@ -107,14 +160,14 @@ automatic_dynamic_shapes = _flag('automatic_dynamic_shapes',
 install_decompositions = _flag('install_decompositions',
                                'XLA_PATCHES_DECOMPOSITIONS',
                                True,
-                               _parse_bool,
+                               BOOL,
                                changes_program=True)
 
 # Directory of the persistent signature index (see persistent.py); None: off.
 cache_dir = _flag('cache_dir',
                   'XLA_PATCHES_CACHE_DIR',
                   None,
-                  _parse_str,
+                  PATH,
                   changes_program=False)
 
 PRECOMPILE_MODES = ('sync', 'interleaved', 'off')
@@ -128,7 +181,7 @@ PRECOMPILE_MODES = ('sync', 'interleaved', 'off')
 precompile_mode = _flag('precompile_mode',
                         'XLA_PATCHES_PRECOMPILE',
                         'sync',
-                        _parse_str,
+                        choice(*PRECOMPILE_MODES),
                         changes_program=False)
 
 # Bounds of the synchronous replay of a restart (precompile_mode 'sync'): at
@@ -137,12 +190,12 @@ precompile_mode = _flag('precompile_mode',
 replay_sync_max_signatures = _flag('replay_sync_max_signatures',
                                    'XLA_PATCHES_REPLAY_SYNC_MAX',
                                    64,
-                                   _parse_int,
+                                   BOUND,
                                    changes_program=False)
 replay_sync_seconds = _flag('replay_sync_seconds',
                             'XLA_PATCHES_REPLAY_SYNC_SECONDS',
                             30.0,
-                            _parse_float,
+                            SECONDS_BOUND,
                             changes_program=False)
 
 # Largest total size, in bytes, of the tensors a recorded signature may make
@@ -152,7 +205,7 @@ replay_sync_seconds = _flag('replay_sync_seconds',
 replay_max_bytes = _flag('replay_max_bytes',
                          'XLA_PATCHES_REPLAY_MAX_BYTES',
                          0,
-                         _parse_int,
+                         BOUND,
                          changes_program=False)
 
 # Most signatures the index keeps per graph on disk; the least served (then
@@ -160,7 +213,7 @@ replay_max_bytes = _flag('replay_max_bytes',
 index_max_signatures = _flag('index_max_signatures',
                              'XLA_PATCHES_INDEX_MAX_SIGNATURES',
                              1024,
-                             _parse_int,
+                             BOUND,
                              changes_program=False)
 
 # Seconds between two writes of a process's usage counts (how often and when
@@ -168,7 +221,7 @@ index_max_signatures = _flag('index_max_signatures',
 usage_flush_seconds = _flag('usage_flush_seconds',
                             'XLA_PATCHES_USAGE_FLUSH_SECONDS',
                             60.0,
-                            _parse_float,
+                            SECONDS,
                             changes_program=False)
 
 # Log why a graph's fingerprint found no index (which parts differ from the
@@ -176,7 +229,7 @@ usage_flush_seconds = _flag('usage_flush_seconds',
 explain_cache = _flag('explain_cache',
                       'XLA_PATCHES_EXPLAIN_CACHE',
                       False,
-                      _parse_bool,
+                      BOOL,
                       changes_program=False)
 
 # Also ask torch_xla to persist compiled executables (xr.initialize_cache) in
@@ -185,14 +238,24 @@ explain_cache = _flag('explain_cache',
 persistent_executables = _flag('persistent_executables',
                                'XLA_PATCHES_PERSISTENT_EXECUTABLES',
                                False,
-                               _parse_bool,
+                               BOOL,
                                changes_program=False)
+
+# Raise, instead of counting a skip, when replaying a recorded signature
+# fails in a way no check of the record explains (see [Note: Replaying
+# recorded signatures]): such a failure is a bug of the replay, which a skip
+# would hide. The test suite turns it on; damaged records are still skipped.
+strict_replay = _flag('strict_replay',
+                      'XLA_PATCHES_STRICT_REPLAY',
+                      False,
+                      BOOL,
+                      changes_program=False)
 
 # Log a progress line per signature compiled from the index.
 precompile_progress = _flag('precompile_progress',
                             'XLA_PATCHES_PRECOMPILE_PROGRESS',
                             True,
-                            _parse_bool,
+                            BOOL,
                             changes_program=False)
 
 # dynamo compiles symbolic-shape guards to C++ by default, which runs a C++
@@ -202,7 +265,7 @@ precompile_progress = _flag('precompile_progress',
 cpp_symbolic_shape_guards = _flag('cpp_symbolic_shape_guards',
                                   'XLA_PATCHES_CPP_SYMBOLIC_GUARDS',
                                   False,
-                                  _parse_bool,
+                                  BOOL,
                                   changes_program=False)
 
 # torch_xla's (and libtpu's) variables that never change a compiled program:

@@ -9,16 +9,14 @@ import dataclasses
 import operator
 import warnings
 
-import atexit
 import collections
-import enum
+import contextlib
 import itertools
 import logging
 import os
 import time
 import weakref
-from typing import (Any, Callable, DefaultDict, Deque, Dict, Hashable, List,
-                    Optional, Sequence, Set, Tuple)
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 from numbers import Number
 
 import torch
@@ -33,11 +31,14 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
                                              get_fallback_ops)
 
 from torch_xla._dynamo import config as upstream_config
-from torch_xla_patches import config, fingerprint, persistent
+from torch_xla_patches import config, fingerprint, record, signature_index
+from torch_xla_patches.backlog import (COUNTER_PRECOMPILE_SKIPPED,
+                                       COUNTER_PRECOMPILED, Backlog,
+                                       compile_stats)
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
                                          check_scalar_input, describe_arg,
-                                         _tuple_getter)
+                                         tuple_getter)
 
 import torch_xla
 import torch_xla.core.xla_model as xm
@@ -59,10 +60,7 @@ COUNTER_MISS = 'DynamoSignatureMiss'  # a new signature was traced + compiled
 COUNTER_RETRACE = 'DynamoEvictedRetrace'  # XLA evicted a program; re-traced
 COUNTER_DROPPED = 'DynamoSignatureDropped'  # over the cap, LRU entry dropped
 COUNTER_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'  # graph partitioned
-COUNTER_PRECOMPILED = 'DynamoSignaturePrecompiled'  # a recorded one compiled
-# A recorded signature (index or artifact) that failed a check, or whose
-# rebuild, trace or compile raised; or an index file that did not parse.
-COUNTER_PRECOMPILE_SKIPPED = 'DynamoSignaturePrecompileSkipped'
+# COUNTER_PRECOMPILED and COUNTER_PRECOMPILE_SKIPPED: see backlog.py.
 
 _EVICTED_MESSAGE = 'Failed to get computation by hash'
 _PENDING_IR_MESSAGE = 'can not be a pending ir'
@@ -70,7 +68,6 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 _increment_counter = torch_xla._XLAC._xla_increment_counter
 
 logger = logging.getLogger('torch_xla_patches.bridge')
-progress_logger = logging.getLogger('torch_xla_patches.precompile')
 
 
 class GraphInputMatcher:
@@ -109,7 +106,7 @@ class GraphInputMatcher:
         None if arg_idx is not None else value
         for arg_idx, value in zip(self.arg_idxs, graph_input_xla_values)
     ]
-    self._arg_getter = _tuple_getter(
+    self._arg_getter = tuple_getter(
         tuple(i for i in self.arg_idxs if i is not None))
     # (slot, constant or None for the seed), in ascending slot order:
     # inserting in that order puts each value at its final slot.
@@ -166,8 +163,8 @@ class OutputPlan:
     identity = self.sources == tuple(range(self.num_results))
     object.__setattr__(self, '_identity', identity)
     object.__setattr__(self, '_returned_arg_getter',
-                       _tuple_getter(self.returned_args))
-    object.__setattr__(self, '_source_getter', _tuple_getter(self.sources))
+                       tuple_getter(self.returned_args))
+    object.__setattr__(self, '_source_getter', tuple_getter(self.sources))
 
   def assemble(self, results: List[torch.Tensor], args: Sequence[Any]) -> Any:
     for arg_position, result_index in self.inplace_updates:
@@ -201,25 +198,26 @@ class CompiledGraphEntry:
   signature: ShapeSignature
 
 
-class _PendingRestore:
-  """Restores arguments that a trace updated in place.
+@contextlib.contextmanager
+def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+  """Runs a trace of the FX graph on real arguments and leaves them as they
+  were, with no pending IR behind, whether the trace returns or raises.
 
   Tracing runs the FX graph on the real arguments, so in-place updates in the
   graph give them pending IR. Lazy clones (no device copy happens unless
   used) are copied back before `_clear_pending_irs` drops all pending IR; the
   copies themselves are dropped with it.
   """
-
-  def __init__(self, tensors: Sequence[torch.Tensor]):
-    self._tensors = list(tensors)
-    self._clones = [torch.clone(t) for t in self._tensors]
-
-  def restore(self) -> None:
-    flags = torch_xla._XLAC._check_tensor_need_materialization(self._tensors)
-    for tensor, clone, updated in zip(self._tensors, self._clones, flags):
+  tensors = list(tensors)
+  clones = [torch.clone(t) for t in tensors]
+  try:
+    yield
+  finally:
+    flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+    for tensor, clone, updated in zip(tensors, clones, flags):
       if updated:
         tensor.copy_(clone)
-    self._clones = []
+    del clones
     torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
 
 
@@ -329,11 +327,10 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   }
   if dynamo_debug:
     print(f'Graph Module:\n{xla_model.code}')
-  restore = _PendingRestore([args[i] for i in tensor_positions])
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
-  try:
+  with pending_ir_restored([args[i] for i in tensor_positions]):
     outputs = _flatten_outputs(xla_model(*args))
     # IR/data identity of each argument after the trace, for aliases among
     # outputs and graph inputs.
@@ -352,9 +349,6 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
       with alias_with_buffer_donor_config():
         graph_hash = torch_xla._XLAC._get_graph_hash(graph_tensors)
         torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
-
-  finally:
-    restore.restore()
   return CompiledGraphEntry(graph_hash=graph_hash,
                             graph_input_matcher=matcher,
                             output_plan=output_plan,
@@ -370,65 +364,18 @@ def live_signature_caches() -> List['SignatureCache']:
   return sorted(_live_caches, key=lambda cache: cache.graph_id)
 
 
-def _flush_all_usage() -> None:
-  for cache in live_signature_caches():
-    cache.flush_usage()
-
-
-def compile_stats() -> Tuple[int, float]:
-  """XLA compiles so far in this process, and their seconds."""
-  data = metrics.metric_data('CompileTime')
-  if not data:
-    return 0, 0.0
-  return data[0], data[1] / 1e9
-
-
-class BacklogOutcome(enum.Enum):
-  COMPILED = 'compiled'
-  # Already compiled in this process (served before its turn came).
-  KNOWN = 'known'
-  # Failed a check, or its rebuild, trace or compile raised.
-  SKIPPED = 'skipped'
-
-
-@dataclasses.dataclass(frozen=True)
-class BacklogStep:
-  """What happened to one recorded signature taken from a backlog."""
-  record: persistent.RecordedSignature
-  outcome: BacklogOutcome
-  # Why it was skipped ('' otherwise).
-  reason: str
-  seconds: float
-  compile_seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class BacklogReport:
-  """What one drain_backlog() call did."""
-  compiled: int
-  skipped: int
-  # Recorded signatures still queued.
-  remaining: int
-
-
 class SignatureCache:
-  """The entries of one graph, keyed by signature, least recently used first,
-  and its backlog of recorded signatures not compiled yet.
+  """The entries of one graph, keyed by signature, least recently used first.
 
   [Note: Dynamo real-time input-shape cache look-up]
   The key of a call comes from `ArgLayout.key_function()` (see [Note: Shape
   signatures]); entries are `CompiledGraphEntry`s in an ordered dict so a cap
   can drop the least recently used one.
 
-  [Note: Replaying recorded signatures]
-  Recorded signatures (from the persistent index, or from an artifact through
-  `queue_recorded`) wait in the backlog, most served first.
-  `drain_backlog` compiles them from a live call's arguments: parameters and
-  static tensors as they are, zeros of the recorded sizes for the others. A
-  record is checked before anything is allocated (persistent.
-  check_replayable); one that fails, or whose rebuild, trace or compile
-  raises, is skipped, counted (DynamoSignaturePrecompileSkipped) and named in
-  one warning per graph. The caller's own call never fails because of one.
+  With a cache directory, every signature traced here is recorded in the
+  graph's signature index, whose `usage` log counts the calls served. The
+  signatures recorded by an earlier process (index or artifact) wait in the
+  graph's `backlog` (see [Note: Replaying recorded signatures]).
   """
 
   def __init__(self, xla_model: torch.fx.GraphModule, layout: ArgLayout):
@@ -439,27 +386,13 @@ class SignatureCache:
     self.entries: 'collections.OrderedDict[Hashable, CompiledGraphEntry]' = (
         collections.OrderedDict())
     self._warned_cap = False
-    self._warned_skip = False
-    self._backlog: Deque[persistent.RecordedSignature] = collections.deque()
-    self._queued_ids: Set[str] = set()
-    # Whether drain_backlog ran since the last served call.
-    self._replayed_in_call = False
-    # Record id of each entry's signature, for usage counts.
-    self._record_ids: Dict[Hashable, str] = {}
-    self.index: Optional[persistent.GraphIndex] = None
-    # Calls served per key since the last usage flush (None: no index).
-    self.served: Optional[DefaultDict[Hashable, int]] = None
-    self.next_usage_flush = 0.0
+    self.backlog = Backlog(self.graph_id, layout, self._compile_recorded)
+    self.usage: Optional[signature_index.UsageLog] = None
     if config.cache_dir:
-      self.index = persistent.GraphIndex(
+      index = signature_index.GraphIndex(
           config.cache_dir, fingerprint.graph_fingerprint(xla_model, layout),
-          layout)
-      self.served = collections.defaultdict(int)
-      self.next_usage_flush = time.monotonic() + config.usage_flush_seconds
-      global _flush_registered
-      if not _flush_registered:
-        _flush_registered = True
-        atexit.register(_flush_all_usage)
+          layout, config.index_max_signatures)
+      self.usage = signature_index.UsageLog(index, config.usage_flush_seconds)
     _live_caches.add(self)
 
   # -- entries
@@ -481,17 +414,25 @@ class SignatureCache:
             'buckets.', self.graph_id, cap)
     return entry
 
+  def _trace_and_record(self, key: Hashable,
+                        args: Sequence[Any]) -> CompiledGraphEntry:
+    entry = self.trace(key, args)
+    if self.usage is not None:
+      self.usage.record(key, record.make_record(self.layout, args))
+    return entry
+
   def on_miss(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
     _increment_counter(COUNTER_MISS, 1)
     if config.explain_misses:
       logger.info('%s', self.explain_miss(args))
-    entry = self.trace(key, args)
-    if self.index is not None:
-      record = persistent.make_record(self.layout, args)
-      self._record_ids[key] = record.record_id
-      self.index.record(record)
-      self.maybe_flush_usage()
-    return entry
+    return self._trace_and_record(key, args)
+
+  def _compile_recorded(self, args: List[Any]) -> bool:
+    key = self.key_of(args)
+    if key in self.entries:
+      return False
+    self._trace_and_record(key, args)
+    return True
 
   def explain_miss(self, args: Sequence[Any]) -> str:
     signature = self.layout.signature_of(args)
@@ -506,175 +447,38 @@ class SignatureCache:
   def signatures(self) -> List[ShapeSignature]:
     return [entry.signature for entry in self.entries.values()]
 
-  # -- usage
-
-  def maybe_flush_usage(self) -> None:
-    if time.monotonic() >= self.next_usage_flush:
-      self.flush_usage()
-
-  def flush_usage(self) -> None:
-    """Writes the calls served since the last flush to the index."""
-    if self.index is None:
-      return
-    self.next_usage_flush = time.monotonic() + config.usage_flush_seconds
-    if not self.served:
-      return
-    now = time.time()
-    usage: Dict[str, Tuple[int, float]] = {}
-    for key, count in list(self.served.items()):
-      record_id = self._record_ids.get(key)
-      if record_id is not None:
-        previous = usage.get(record_id, (0, now))[0]
-        usage[record_id] = (previous + count, now)
-    self.served.clear()
-    self.index.write_usage(usage)
-
-  # -- backlog
+  # -- recorded signatures
 
   @property
   def backlog_size(self) -> int:
-    return len(self._backlog)
+    return len(self.backlog)
 
-  def queue_recorded(self,
-                     records: Sequence[persistent.RecordedSignature],
-                     except_args: Optional[Sequence[Any]] = None) -> int:
-    """Adds recorded signatures to the backlog, in order, except those
-    queued already and the one of `except_args`; returns how many."""
-    skip_id = None
-    if except_args is not None:
-      skip_id = persistent.record_id_of(
-          persistent.input_specs(self.layout, except_args),
-          persistent.input_shardings(self.layout, except_args))
-    queued = 0
-    for record in records:
-      if record.record_id == skip_id or record.record_id in self._queued_ids:
-        continue
-      self._queued_ids.add(record.record_id)
-      self._backlog.append(record)
-      queued += 1
+  def queue_recorded(self, records: Sequence[record.RecordedSignature],
+                     live_args: Sequence[Any]) -> int:
+    """Queues recorded signatures (see [Note: Replaying recorded
+    signatures]) and, in 'sync' mode before the first call is served,
+    compiles what that call's budget still allows; returns how many were
+    queued."""
+    queued = self.backlog.queue(records, live_args)
+    self.backlog.drain_for_first_call()
     return queued
 
-  def load_recorded(self, live_args: Sequence[Any]) -> int:
-    """Queues what the persistent index recorded for this graph."""
-    if self.index is None:
+  def queue_index_records(self, live_args: Sequence[Any]) -> int:
+    """Queues what the signature index recorded for this graph."""
+    if self.usage is None:
       return 0
-    contents = self.index.load()
+    index = self.usage.index
+    contents = index.load()
     for problem in contents.problems:
-      self._skip(problem.path, problem.reason)
+      self.backlog.skip_unreadable(problem.path, problem.reason)
     if not contents.records and config.explain_cache:
       logger.info('[torch_xla_patches] no recorded signatures for graph %s: %s',
-                  self.index.fingerprint.key, self.index.explain_miss())
-    return self.queue_recorded(contents.records, except_args=live_args)
+                  index.fingerprint.key, index.explain_miss())
+    return self.queue_recorded(contents.records, live_args)
 
-  def _skip(self, source: str, reason: str) -> None:
-    _increment_counter(COUNTER_PRECOMPILE_SKIPPED, 1)
-    if self._warned_skip:
-      logger.debug('torch_xla_patches: graph %d skipped %s: %s', self.graph_id,
-                   source, reason)
-      return
-    self._warned_skip = True
-    logger.warning(
-        'torch_xla_patches: graph %d skipped a recorded signature from %s: '
-        '%s. It will be compiled when a call needs it; later skips of this '
-        'graph are counted in %s.', self.graph_id, source, reason,
-        COUNTER_PRECOMPILE_SKIPPED)
-
-  def _replay(self, record: persistent.RecordedSignature,
-              live_args: Sequence[Any], max_bytes: int) -> BacklogStep:
-    start = time.perf_counter()
-    _, compile_seconds_before = compile_stats()
-    outcome, reason = BacklogOutcome.COMPILED, ''
-    try:
-      persistent.check_replayable(self.layout, record, live_args, max_bytes)
-      args = persistent.rebuild_args(self.layout, record, live_args,
-                                     torch_xla.device())
-      key = self.key_of(args)
-      if key in self.entries:
-        outcome = BacklogOutcome.KNOWN
-      else:
-        self.trace(key, args)
-        self._record_ids[key] = record.record_id
-        _increment_counter(COUNTER_PRECOMPILED, 1)
-    except Exception as error:  # pylint: disable=broad-except
-      # See [Note: Replaying recorded signatures]: whatever a record makes
-      # the rebuild, trace or compile raise, the caller's call goes on.
-      outcome = BacklogOutcome.SKIPPED
-      reason = (str(error) if isinstance(error, persistent.RecordError) else
-                f'{type(error).__name__}: {error}')
-      self._skip(record.source or 'a recorded signature', reason)
-    _, compile_seconds_after = compile_stats()
-    return BacklogStep(record=record,
-                       outcome=outcome,
-                       reason=reason,
-                       seconds=time.perf_counter() - start,
-                       compile_seconds=compile_seconds_after -
-                       compile_seconds_before)
-
-  def drain_backlog(
-      self,
-      live_args: Sequence[Any],
-      max_count: Optional[int] = None,
-      seconds: Optional[float] = None,
-      on_step: Optional[Callable[[BacklogStep, int, int], None]] = None
-  ) -> BacklogReport:
-    """Compiles queued signatures from `live_args`, most served first.
-
-    Args:
-      live_args: the arguments of a call of this graph.
-      max_count: compile (or skip) at most this many; None: no bound.
-      seconds: start no signature after this many seconds; None: no bound.
-      on_step: called after each signature with (step, its number, the
-        number this call may take); None logs a progress line when
-        config.precompile_progress is set.
-    """
-    total = len(self._backlog)
-    if max_count is not None:
-      total = min(total, max_count)
-    on_step = on_step or self._log_step
-    max_bytes = persistent.replay_bytes_limit(self.layout, live_args)
-    start = time.perf_counter()
-    compiled = skipped = taken = 0
-    while self._backlog and taken < total:
-      if seconds is not None and time.perf_counter() - start >= seconds:
-        break
-      record = self._backlog.popleft()
-      taken += 1
-      step = self._replay(record, live_args, max_bytes)
-      compiled += step.outcome == BacklogOutcome.COMPILED
-      skipped += step.outcome == BacklogOutcome.SKIPPED
-      on_step(step, taken, total)
-    if compiled:
-      persistent.check_persistent_executables()
-    self._replayed_in_call = True
-    return BacklogReport(compiled=compiled,
-                         skipped=skipped,
-                         remaining=len(self._backlog))
-
-  def replay_after_call(self, live_args: Sequence[Any]) -> None:
-    """Compiles one backlog signature after a served call, unless the call
-    already replayed some (the first call of a restart in 'sync' mode), so
-    that call waits for at most the sync bound."""
-    if self._replayed_in_call:
-      self._replayed_in_call = False
-      return
-    self.drain_backlog(live_args, max_count=1)
-    self._replayed_in_call = False
-
-  def _log_step(self, step: BacklogStep, number: int, total: int) -> None:
-    if not config.precompile_progress:
-      return
-    width = len(str(total))
-    what = f'graph {self.graph_id} {step.record.describe()}'
-    if step.outcome == BacklogOutcome.SKIPPED:
-      detail = f'skipped: {step.reason}'
-    else:
-      detail = (f'{step.seconds:6.2f} s (xla compile '
-                f'{step.compile_seconds:5.2f} s)')
-    progress_logger.info('[precompile %*d/%d] %-28s %s', width, number, total,
-                         what, detail)
-
-
-_flush_registered = False
+  def drain_backlog(self) -> int:
+    """Compiles every queued signature now; returns how many compiled."""
+    return self.backlog.drain_all().compiled
 
 
 def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
@@ -689,10 +493,6 @@ def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
                                     sync_xla_data=True)
 
 
-def _bound(value: float) -> Optional[float]:
-  return value if value > 0 else None
-
-
 def extract_internal(xla_model: torch.fx.GraphModule):
   """Compiles the first signature now; returns the per-call function."""
   first_args = xla_model.xla_args
@@ -701,20 +501,17 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   if dynamo_debug:
     print(f'[torch_xla_patches] graph {cache.graph_id} layout: {layout.kinds}')
   cache.on_miss(cache.key_of(first_args), first_args)
-  cache.load_recorded(first_args)
-  if config.precompile_mode == 'sync':
-    cache.drain_backlog(first_args,
-                        max_count=_bound(config.replay_sync_max_signatures),
-                        seconds=_bound(config.replay_sync_seconds))
+  cache.queue_index_records(first_args)
   del xla_model.xla_args
-  backlog = cache._backlog
-  served = cache.served
+  backlog = cache.backlog
+  usage = cache.usage
+  served = usage.served if usage is not None else None
   monotonic = time.monotonic
 
   key_of = cache.key_of
   entries = cache.entries
   run_cached_graph = torch_xla._XLAC._run_cached_graph
-  all_tensors = _tuple_getter(layout.tensor_positions)
+  all_tensors = tuple_getter(layout.tensor_positions)
   # [Note: Input materialization check]
   # `_run_cached_graph` needs device data, not pending IR, as input.
   # Non-parameter tensors (activations, user inputs, tangents) are often
@@ -723,7 +520,7 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   # are many of them, so they are not checked: `_run_cached_graph` refuses
   # pending IR before it runs anything, and the refusal is handled in
   # run_after_error.
-  checked_tensors = _tuple_getter(
+  checked_tensors = tuple_getter(
       layout.positions(ArgKind.TENSOR, ArgKind.DYNAMIC_TENSOR))
 
   def run_after_error(error: RuntimeError, key: Hashable,
@@ -773,12 +570,12 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     outputs = plan.assemble(results, args)
     if served is not None:
       served[key] += 1
-      if monotonic() >= cache.next_usage_flush:
-        cache.flush_usage()
-    if backlog and config.precompile_mode != 'off':
-      # What a sync replay left, or every recorded signature in
-      # 'interleaved' mode: one per served call.
-      cache.replay_after_call(args)
+      if monotonic() >= usage.next_flush:
+        usage.flush()
+    if backlog:
+      # One recorded signature per served call (see [Note: Replaying
+      # recorded signatures]).
+      backlog.after_served_call()
     return outputs
 
   optimized_mod.signature_cache = cache
@@ -889,9 +686,8 @@ def partition_fx_graph_for_cpu_fallback(
     partition.nodes = topo_sort(partition.nodes)
   partitioned_graph = partitioner.fuse_partitions(partitions)
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
-  restore = _PendingRestore(tensor_args)
-  InputCollector(partitioned_graph).run(*xla_args)
-  restore.restore()
+  with pending_ir_restored(tensor_args):
+    InputCollector(partitioned_graph).run(*xla_args)
 
   fused_parts = 0
   for node in list(partitioned_graph.graph.nodes):
@@ -915,10 +711,9 @@ def partition_fx_graph_for_cpu_fallback(
 def _find_unsupported_nodes(xla_model: torch.fx.GraphModule,
                             xla_args: Sequence[Any]) -> List[torch.fx.Node]:
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
-  restore = _PendingRestore(tensor_args)
   collector = UnsupportedNodesCollector(xla_model)
-  collector.run(*xla_args)
-  restore.restore()
+  with pending_ir_restored(tensor_args):
+    collector.run(*xla_args)
   return collector.get_unsupported_nodes()
 
 

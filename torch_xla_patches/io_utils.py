@@ -8,8 +8,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import stat
 import tempfile
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -86,6 +87,35 @@ def describe_arg_spec(spec: ArgSpec) -> str:
 
 def canonical_json(value: Any) -> str:
   return json.dumps(value, sort_keys=True, separators=(',', ':'))
+
+
+_FILE_KINDS = ((stat.S_ISDIR, 'a directory'), (stat.S_ISFIFO, 'a FIFO'),
+               (stat.S_ISCHR, 'a character device'),
+               (stat.S_ISBLK, 'a block device'), (stat.S_ISSOCK, 'a socket'))
+
+
+def _check_regular(path: str, mode: int) -> None:
+  if not stat.S_ISREG(mode):
+    kind = next((name for test, name in _FILE_KINDS if test(mode)),
+                'not a file')
+    raise OSError(f'not a regular file ({kind})')
+
+
+def read_regular_file(path: str, max_bytes: Optional[int] = None) -> bytes:
+  """The bytes of `path` (at most max_bytes + 1 of them, so a caller can
+  tell a file over its bound), if it is a regular file; OSError otherwise.
+
+  [Note: Reading a cache directory never blocks]
+  A FIFO, a device node or a socket (or a symlink to one) in a cache
+  directory would block or never end a plain read. The path is stat'ed
+  before it is opened, opened without blocking, and checked again on the
+  open descriptor, so nothing but a regular file is ever read.
+  """
+  _check_regular(path, os.stat(path).st_mode)
+  fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+  with os.fdopen(fd, 'rb') as f:
+    _check_regular(path, os.fstat(f.fileno()).st_mode)
+    return f.read() if max_bytes is None else f.read(max_bytes + 1)
 
 
 def atomic_write_bytes(path: str, data: bytes, prefix: str = '.tmp-') -> None:

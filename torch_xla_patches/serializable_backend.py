@@ -6,7 +6,7 @@ backend's compiled callable to be a `SerializableCallable`. The `openxla`
 backend returns a closure, so this backend returns an
 `XlaSerializableCallable`: it runs the graph through the patched bridge and
 serializes the FX graph dynamo handed over (`GraphPickler`) and the shape
-signatures the bridge compiled for it (`persistent.make_record` of each), so a
+signatures the bridge compiled for it (`record.make_record` of each), so a
 loading process replays them (see [Note: Precompile on load]). The graph is
 dynamo's (torch-level ops, before AOTAutograd): inference only.
 """
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from torch_xla_patches import dynamo_bridge
-from torch_xla_patches import persistent
+from torch_xla_patches import record
 from torch_xla_patches import torch_internals
 from torch_xla_patches.artifact import ArtifactCorruptError
 
@@ -25,51 +25,6 @@ BACKEND_NAME = 'openxla_serializable'
 # Version of the state serialize_compile_artifacts writes.
 STATE_FORMAT_VERSION = 1
 SerializableCallable = torch_internals.serializable_callable_base()
-
-
-def _records_to_state(
-    kinds: Optional[List[str]],
-    records: Sequence[persistent.RecordedSignature]) -> Dict[str, Any]:
-  return {
-      # Informational: each record is checked against the live graph's kinds.
-      'kinds':
-          kinds,
-      'specs': [list(r.specs) for r in records],
-      'shardings': [
-          None if r.shardings is None else list(r.shardings) for r in records
-      ],
-  }
-
-
-def _records_from_state(state: Any) -> Tuple[persistent.RecordedSignature, ...]:
-  """The recorded signatures of a deserialized artifact, unchecked: each is
-  checked against the live graph when it is replayed (see [Note: Index
-  contents are untrusted]), so a damaged one is skipped there, counted and
-  named, never fatal."""
-  if state is None:
-    return ()
-  specs = state.get('specs') if isinstance(state, dict) else state
-  shardings = state.get('shardings') if isinstance(state, dict) else None
-  if not isinstance(specs, list):
-    # Kept as one record that fails its check when replayed, so the damage
-    # is reported and counted like any other.
-    specs = [specs]
-  if not isinstance(shardings, list) or len(shardings) != len(specs):
-    shardings = [None] * len(specs)
-  records = []
-  for index, (raw, raw_shardings) in enumerate(zip(specs, shardings)):
-    try:
-      record_id = persistent.record_id_of(raw, raw_shardings)
-    except (TypeError, ValueError):
-      record_id = f'unreadable-{index}'
-    records.append(
-        persistent.RecordedSignature(
-            record_id=record_id,
-            specs=tuple(raw) if isinstance(raw, list) else raw,
-            shardings=(tuple(raw_shardings)
-                       if isinstance(raw_shardings, list) else raw_shardings),
-            source='the artifact'))
-  return tuple(records)
 
 
 def _pickle_graph(graph_module: torch.fx.GraphModule) -> bytes:
@@ -125,7 +80,7 @@ class XlaSerializableCallable(SerializableCallable):
   def __init__(self,
                graph_bytes: bytes,
                graph_module: Optional[torch.fx.GraphModule] = None,
-               recorded: Sequence[persistent.RecordedSignature] = ()):
+               recorded: Sequence[record.RecordedSignature] = ()):
     self._graph_bytes = graph_bytes
     self._graph_module = (graph_module if graph_module is not None else
                           _unpickle_graph(graph_bytes))
@@ -136,9 +91,7 @@ class XlaSerializableCallable(SerializableCallable):
     self._compiled = None
     self._cache = None
     # A record of every signature served here, by key, in first-seen order.
-    self._seen: Dict[Any, persistent.RecordedSignature] = {}
-    # The first call's arguments: the live parameters later replays use.
-    self._live_args: Optional[List[Any]] = None
+    self._seen: Dict[Any, record.RecordedSignature] = {}
 
   def name_source(self, source: str) -> None:
     """Names the file the loaded signatures came from, for messages."""
@@ -154,7 +107,7 @@ class XlaSerializableCallable(SerializableCallable):
     if cache is not None:
       key = cache.key_of(args)
       if key not in self._seen:
-        self._seen[key] = persistent.make_record(cache.layout, args)
+        self._seen[key] = record.make_record(cache.layout, args)
     out = self._compiled(*args)
     # The bridge unwraps a single output (upstream's convention); dynamo's
     # bytecode indexes the graph's output tuple.
@@ -163,7 +116,6 @@ class XlaSerializableCallable(SerializableCallable):
     return out
 
   def _compile_first(self, args: List[Any]) -> None:
-    from torch_xla_patches import config
     self._compiled = dynamo_bridge.extract_compiled_graph(
         self._graph_module, args)
     cache = getattr(self._compiled, 'signature_cache', None)
@@ -172,27 +124,19 @@ class XlaSerializableCallable(SerializableCallable):
       # part has its own cache; signatures are then compiled on demand.
       return
     self._cache = cache
-    self._live_args = args
     # [Note: Precompile on load]
-    # The signatures an artifact recorded join the graph's backlog after the
-    # first call's own and are replayed by the bridge (see [Note: Replaying
-    # recorded signatures]) as config.precompile_mode says: all before the
-    # first call returns ('sync', within the replay bounds; the rest one
-    # after each call), one after each call ('interleaved'), or when
-    # CompiledModel.precompile_pending() is called ('off').
-    cache.queue_recorded(self._loaded, except_args=args)
-    if config.precompile_mode == 'sync':
-      cache.drain_backlog(args,
-                          max_count=config.replay_sync_max_signatures or None,
-                          seconds=config.replay_sync_seconds or None)
+    # The signatures an artifact recorded join the graph's backlog, after
+    # the first call's own and those of the signature index, within the
+    # same first-call budget (see [Note: Replaying recorded signatures]).
+    cache.queue_recorded(self._loaded, args)
 
   def precompile_pending(self) -> int:
     """Compiles the backlog now; returns how many signatures it compiled."""
-    if self._cache is None or not self._cache.backlog_size:
+    if self._cache is None:
       return 0
-    return self._cache.drain_backlog(self._live_args).compiled
+    return self._cache.drain_backlog()
 
-  def recorded_signatures(self) -> Tuple[persistent.RecordedSignature, ...]:
+  def recorded_signatures(self) -> Tuple[record.RecordedSignature, ...]:
     """Signatures to save: those served here, then those loaded."""
     records = list(self._seen.values())
     ids = {r.record_id for r in records}
@@ -204,13 +148,14 @@ class XlaSerializableCallable(SerializableCallable):
   @classmethod
   def serialize_compile_artifacts(cls, fn: 'XlaSerializableCallable') -> bytes:
     records = fn.recorded_signatures()
-    kinds = None
-    if fn._cache is not None:
-      kinds = [kind.value for kind in fn._cache.layout.kinds]
+    kinds = fn._cache.layout.kinds if fn._cache is not None else None
     return pickle.dumps({
-        'format_version': STATE_FORMAT_VERSION,
-        'graph': fn._graph_bytes,
-        'signatures': _records_to_state(kinds, records) if records else None,
+        'format_version':
+            STATE_FORMAT_VERSION,
+        'graph':
+            fn._graph_bytes,
+        'signatures':
+            record.records_to_json(kinds, records) if records else None,
     })
 
   @classmethod
@@ -224,8 +169,9 @@ class XlaSerializableCallable(SerializableCallable):
           f'{state.get("format_version") if isinstance(state, dict) else state!r}'
           f', expected {STATE_FORMAT_VERSION}')
     return XlaSerializableCallable(state['graph'],
-                                   recorded=_records_from_state(
-                                       state.get('signatures')))
+                                   recorded=record.records_from_json(
+                                       state.get('signatures'),
+                                       source='the artifact'))
 
 
 def _returns_one_value(graph_module: torch.fx.GraphModule) -> bool:

@@ -38,8 +38,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from torch_xla_patches import artifact
+from torch_xla_patches import config
 from torch_xla_patches import io_utils
-from torch_xla_patches import persistent
+from torch_xla_patches import record
 from torch_xla_patches import source_digest
 from torch_xla_patches import torch_internals
 from torch_xla_patches.artifact import (ArtifactCorruptError, ArtifactError,
@@ -50,7 +51,6 @@ from torch_xla_patches.serializable_backend import (BACKEND_NAME,
                                                     openxla_serializable,
                                                     register_backend,
                                                     unregister_backend)
-from torch_xla_patches.signature import ArgKind
 from torch_xla_patches.versions import require_torch_aot_compile
 
 logger = logging.getLogger('torch_xla_patches.serialization')
@@ -69,26 +69,6 @@ def _arg_specs(args: Sequence[Any]) -> Optional[List[Any]]:
   if not all(isinstance(a, (torch.Tensor, bool, int, float)) for a in args):
     return None
   return [io_utils.arg_spec(arg) for arg in args]
-
-
-def _rebuild_call_args(specs: Any, device: Any, max_bytes: int) -> List[Any]:
-  """The example call of a header, checked before anything is allocated;
-  persistent.RecordError says what is wrong with it."""
-  if not isinstance(specs, list):
-    raise persistent.RecordError(f'example_args is {type(specs).__name__}')
-  total = 0
-  for index, spec in enumerate(specs):
-    if isinstance(spec, dict) and set(spec) == {'value'}:
-      if not isinstance(spec['value'], (bool, int, float)):
-        raise persistent.RecordError(f'argument {index} is not a number')
-      continue
-    (checked,) = persistent.parse_specs((ArgKind.DYNAMIC_TENSOR,), [spec])
-    total += persistent.tensor_bytes(checked['shape'],
-                                     io_utils.dtype_from_name(checked['dtype']))
-  if total > max_bytes:
-    raise persistent.RecordError(
-        f'its tensors would take {total} bytes, over the bound of {max_bytes}')
-  return [io_utils.arg_from_spec(spec, device) for spec in specs]
 
 
 class CompiledModel:
@@ -274,13 +254,11 @@ def _warm_up(compiled: CompiledModel, example_args: Any, path: str) -> None:
   example call is skipped with a warning: the first real call then does the
   same work."""
   import torch_xla
-  params = compiled.model.parameters() if isinstance(compiled.model,
-                                                     torch.nn.Module) else ()
-  live_bytes = sum(p.numel() * p.element_size() for p in params)
+  params = list(compiled.model.parameters()) if isinstance(
+      compiled.model, torch.nn.Module) else []
   try:
-    args = _rebuild_call_args(example_args, torch_xla.device(),
-                              max(256 << 20, 8 * live_bytes))
-  except persistent.RecordError as e:
+    args = record.rebuild_call(example_args, params, torch_xla.device())
+  except record.RecordError as e:
     logger.warning(
         'torch_xla_patches: not warming up %s: its example call is unusable '
         '(%s); the first call compiles instead.', path, e)
@@ -289,6 +267,11 @@ def _warm_up(compiled: CompiledModel, example_args: Any, path: str) -> None:
     compiled(*args)
     torch_xla.sync()
   except Exception as e:  # pylint: disable=broad-except
+    # Not a damaged file (checked above, and recorded signatures are checked
+    # as they replay): a failure of the warm-up itself, see
+    # config.strict_replay.
+    if config.strict_replay:
+      raise
     logger.warning(
         'torch_xla_patches: warming up %s failed (%s: %s); the first call '
         'compiles instead.', path,

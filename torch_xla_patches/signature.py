@@ -170,11 +170,11 @@ class ArgLayout:
 
   def key_function(self) -> Callable[[Sequence[Any]], Hashable]:
     """A function args -> hashable key; see [Note: Shape signatures]."""
-    scalar_getter = _tuple_getter(self.scalar_positions)
+    scalar_getter = tuple_getter(self.scalar_positions)
     dynamic_positions = self.dynamic_tensor_positions
     if self.spmd:
       import torch_xla
-      tensor_getter = _tuple_getter(self.tensor_positions)
+      tensor_getter = tuple_getter(self.tensor_positions)
       get_specs = torch_xla._XLAC._get_xla_sharding_specs
 
       def spmd_key(args):
@@ -210,7 +210,7 @@ class ArgLayout:
         shardings=shardings)
 
 
-def _tuple_getter(
+def tuple_getter(
     positions: Tuple[int, ...]) -> Callable[[Sequence[Any]], tuple]:
   """Like operator.itemgetter, but always returns a tuple."""
   if not positions:

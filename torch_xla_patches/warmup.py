@@ -3,7 +3,7 @@
 `precompile(compiled_fn, specs)` runs a torch.compile'd callable once per
 signature, so dynamo traces once (dynamic=True) and the bridge compiles one
 XLA program per signature. (Signatures recorded by the persistent index or an
-artifact are replayed by the bridge itself: SignatureCache.drain_backlog.)
+artifact are replayed by the bridge itself, see backlog.py.)
 
 Compiles run one after another: the lazy tracer's pending-IR state is process
 wide (extract_graph_helper syncs and clears it), so two signatures cannot be
@@ -18,7 +18,7 @@ import torch
 
 import torch_xla
 
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches.backlog import compile_stats
 from torch_xla_patches import io_utils
 from torch_xla_patches.io_utils import TensorSpec
 
@@ -95,12 +95,12 @@ def precompile(compiled_fn: Callable,
   report = []
   for spec in specs:
     args = _materialize(spec, device)
-    compiles_before, compile_seconds_before = dynamo_bridge.compile_stats()
+    compiles_before, compile_seconds_before = compile_stats()
     start = time.perf_counter()
     compiled_fn(*args)
     torch_xla.sync()
     seconds = time.perf_counter() - start
-    compiles_after, compile_seconds_after = dynamo_bridge.compile_stats()
+    compiles_after, compile_seconds_after = compile_stats()
     item = PrecompiledSignature(description=_describe(args),
                                 seconds=seconds,
                                 compile_seconds=compile_seconds_after -

@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,9 +15,10 @@ import torch._dynamo
 import torch_xla.debug.metrics as met
 
 from torch_xla_patches import cache as cache_cli
-from torch_xla_patches import config, dynamo_bridge, fingerprint, persistent
+from torch_xla_patches import (backlog, config, dynamo_bridge, fingerprint,
+                               record, signature_index)
 from torch_xla_patches.signature import ArgKind, ArgLayout
-from bridge_testing import REPO_ROOT, run_python, xla
+from bridge_testing import REPO_ROOT, counters, run_python, xla
 
 SERVE_SCRIPT = r'''
 import sys
@@ -91,12 +93,12 @@ def resized(specs, old, new):
 
 
 def graph_dirs(cache_dir):
-  return persistent.graph_directories(str(cache_dir))
+  return signature_index.graph_directories(str(cache_dir))
 
 
 def record_files(directory):
   return sorted(f for f in os.listdir(directory)
-                if f.startswith(persistent.RECORD_PREFIX))
+                if f.startswith(signature_index.RECORD_PREFIX))
 
 
 def test_fresh_process_precompiles_every_known_signature_first(tmp_path):
@@ -160,7 +162,7 @@ def test_four_writers_without_flock_lose_nothing(tmp_path):
     assert out.count('after') == 2
     assert 'could not write' not in err
   (directory,) = graph_dirs(tmp_path)
-  index = persistent.open_graph_directory(directory)
+  index = signature_index.open_graph_directory(directory, max_signatures=0)
   contents = index.load()
   assert contents.problems == ()
   sizes = sorted(r.specs[0]['value'] for r in contents.records)
@@ -200,15 +202,14 @@ def test_restart_with_400_recorded_signatures_is_bounded(tmp_path):
   with the right result; the rest follow one per served call."""
   serve(tmp_path, '2')
   (directory,) = graph_dirs(tmp_path)
-  index = persistent.open_graph_directory(directory)
+  index = signature_index.open_graph_directory(directory, max_signatures=0)
   (recorded,) = index.load().records
   for n in range(10, 409):
     specs = resized(recorded.specs, 2, n)
     index.record(
-        persistent.RecordedSignature(record_id=persistent.record_id_of(
-            specs, None),
-                                     specs=specs,
-                                     shardings=None))
+        record.RecordedSignature(record_id=record.record_id_of(specs, None),
+                                 specs=specs,
+                                 shardings=None))
   assert len(record_files(directory)) == 400
   proc = run_python(RESTART_SCRIPT.replace('CACHE_DIR', repr(str(tmp_path))))
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -250,6 +251,28 @@ def serve_here(sizes, w=None):
                                rtol=1e-4,
                                atol=1e-4)
   return compiled
+
+
+# A restart that served 3 and 5 serving 3 and 4: 3 traced on the first call,
+# 5 replayed before it returns (the call is a hit), then 4 a miss.
+COUNTERS_OF_3_5_THEN_3_4 = {
+    'DynamoExtractCompiledGraph': 1,
+    'DynamoSignatureHit': 1,
+    'DynamoSignatureMiss': 2,
+    'DynamoEvictedRetrace': 0,
+    'DynamoSignatureDropped': 0,
+    'DynamoCpuFallbackPartition': 0,
+    'DynamoSignaturePrecompiled': 1,
+    'DynamoSignaturePrecompileSkipped': 0,
+}
+
+
+def bridge_counters():
+  """counters() without UncachedCompile: XLA's own cache keeps the
+  programs of earlier tests of this process."""
+  got = counters()
+  del got['UncachedCompile']
+  return got
 
 
 def the_graph_dir(cache_dir):
@@ -328,9 +351,11 @@ def test_damaged_record_is_skipped_and_the_call_is_right(
   met.clear_all()
   with caplog.at_level(logging.WARNING, logger='torch_xla_patches'):
     serve_here([3, 5, 4])
-  assert met.counter_value(dynamo_bridge.COUNTER_PRECOMPILE_SKIPPED) == 1
   # Size 5 is compiled when asked for: a miss, like size 4.
-  assert met.counter_value(dynamo_bridge.COUNTER_MISS) == 3
+  assert bridge_counters() == dict(COUNTERS_OF_3_5_THEN_3_4,
+                                   DynamoSignatureMiss=3,
+                                   DynamoSignaturePrecompiled=0,
+                                   DynamoSignaturePrecompileSkipped=1)
   (warning,) = [
       r.getMessage()
       for r in caplog.records
@@ -339,11 +364,54 @@ def test_damaged_record_is_skipped_and_the_call_is_right(
   assert path in warning and reason in warning, warning
 
 
+@pytest.mark.parametrize('name, damage, reason', [
+    ('sig-fifo.json', 'fifo', 'not a regular file (a FIFO)'),
+    ('sig-zero.json', 'symlink to /dev/zero',
+     'not a regular file (a character device)'),
+    ('usage-fifo-0.json', 'fifo', 'not a regular file (a FIFO)'),
+    ('snapshot-9.json', 'symlink to /dev/zero',
+     'not a regular file (a character device)'),
+])
+def test_a_file_that_is_not_regular_never_stalls_a_call(indexed, caplog, name,
+                                                        damage, reason):
+  """A FIFO (which a plain open would wait on forever) or a symlink to
+  /dev/zero (which never ends) named like an index file is skipped with a
+  warning; the call returns the eager result."""
+  serve_here([3, 5])
+  directory = the_graph_dir(indexed)
+  path = os.path.join(directory, name)
+  if damage == 'fifo':
+    os.mkfifo(path)
+  else:
+    os.symlink('/dev/zero', path)
+
+  def stalled(signum, frame):
+    raise TimeoutError(f'reading {path} stalled')
+
+  previous = signal.signal(signal.SIGALRM, stalled)
+  signal.alarm(120)
+  met.clear_all()
+  try:
+    with caplog.at_level(logging.WARNING, logger='torch_xla_patches'):
+      serve_here([3, 4])
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+  (warning,) = [
+      r.getMessage() for r in caplog.records if path in r.getMessage()
+  ]
+  assert reason in warning, warning
+  record_file = name.startswith('sig-')
+  assert bridge_counters() == dict(
+      COUNTERS_OF_3_5_THEN_3_4,
+      DynamoSignaturePrecompileSkipped=int(record_file))
+
+
 def test_damaged_usage_file_is_ignored_and_records_still_replay(
     indexed, caplog):
   serve_here([3, 5])
   directory = the_graph_dir(indexed)
-  dynamo_bridge._flush_all_usage()
+  signature_index.flush_all_usage()
   (usage,) = [f for f in os.listdir(directory) if f.startswith('usage-')]
   path = os.path.join(directory, usage)
   with open(path) as f:
@@ -355,8 +423,9 @@ def test_damaged_usage_file_is_ignored_and_records_still_replay(
   met.clear_all()
   with caplog.at_level(logging.WARNING, logger='torch_xla_patches'):
     serve_here([5, 3])
-  assert met.counter_value(dynamo_bridge.COUNTER_PRECOMPILED) == 1
-  assert met.counter_value(dynamo_bridge.COUNTER_MISS) == 1
+  assert bridge_counters() == dict(COUNTERS_OF_3_5_THEN_3_4,
+                                   DynamoSignatureHit=2,
+                                   DynamoSignatureMiss=1)
   assert any('ignoring usage file' in r.getMessage() and path in r.getMessage()
              for r in caplog.records)
 
@@ -373,15 +442,15 @@ def test_a_file_in_place_of_the_graph_directory_never_fails_a_call(
   met.clear_all()
   with caplog.at_level(logging.WARNING, logger='torch_xla_patches'):
     serve_here([3, 4])
-  assert met.counter_value(dynamo_bridge.COUNTER_PRECOMPILE_SKIPPED) == 1
+  assert met.counter_value(backlog.COUNTER_PRECOMPILE_SKIPPED) == 1
   assert any('could not write the signature index' in r.getMessage()
              for r in caplog.records)
 
 
 def test_replay_order_is_most_served_first(indexed, monkeypatch):
   serve_here([2, 3, 3, 3, 4, 4, 5])
-  dynamo_bridge._flush_all_usage()
-  index = persistent.open_graph_directory(the_graph_dir(indexed))
+  signature_index.flush_all_usage()
+  index = signature_index.open_graph_directory(the_graph_dir(indexed), 0)
   ranked = [(r.specs[0]['value'], r.served) for r in index.load().records]
   assert ranked[:2] == [(3, 3), (4, 2)]
   assert sorted(ranked[2:]) == [(2, 1), (5, 1)]
@@ -405,23 +474,22 @@ def test_sync_replay_stops_at_its_time_budget(indexed, monkeypatch):
   compiled = serve_here([2])
   # The budget is checked before each signature: none starts, all three
   # wait for served calls.
-  assert (met.counter_value(dynamo_bridge.COUNTER_PRECOMPILED) or 0) == 0
+  assert (met.counter_value(backlog.COUNTER_PRECOMPILED) or 0) == 0
   assert dynamo_bridge.live_signature_caches()[-1].backlog_size == 3
   del compiled
 
 
-def test_compaction_keeps_the_most_served_within_the_cap(indexed, monkeypatch):
+def test_compaction_keeps_the_most_served_within_the_cap(indexed):
   serve_here([2, 3, 3, 4, 4, 4])
-  dynamo_bridge._flush_all_usage()
+  signature_index.flush_all_usage()
   directory = the_graph_dir(indexed)
-  index = persistent.open_graph_directory(directory)
-  monkeypatch.setattr(config, 'index_max_signatures', 2)
+  index = signature_index.open_graph_directory(directory, max_signatures=2)
   assert index.compact()
   names = os.listdir(directory)
-  assert not [n for n in names if n.startswith(persistent.USAGE_PREFIX)]
-  assert [n for n in names if n.startswith(persistent.SNAPSHOT_PREFIX)
+  assert not [n for n in names if n.startswith(signature_index.USAGE_PREFIX)]
+  assert [n for n in names if n.startswith(signature_index.SNAPSHOT_PREFIX)
          ] == ['snapshot-1.json']
-  assert not [n for n in names if n.startswith(persistent.CLAIM_PREFIX)]
+  assert not [n for n in names if n.startswith(signature_index.CLAIM_PREFIX)]
   ranked = [(r.specs[0]['value'], r.served) for r in index.load().records]
   assert ranked == [(4, 3), (3, 2)]
   # Usage written after the snapshot adds to it.
@@ -433,9 +501,9 @@ def test_compaction_keeps_the_most_served_within_the_cap(indexed, monkeypatch):
 def test_compaction_defers_to_a_fresh_claim_and_to_no_exclusive_create(
     indexed, monkeypatch):
   serve_here([2, 3])
-  dynamo_bridge._flush_all_usage()
+  signature_index.flush_all_usage()
   directory = the_graph_dir(indexed)
-  index = persistent.open_graph_directory(directory)
+  index = signature_index.open_graph_directory(directory, max_signatures=0)
   open(os.path.join(directory, 'claim-1'), 'w').close()
   assert not index.compact()
   os.utime(os.path.join(directory, 'claim-1'),
@@ -468,89 +536,38 @@ def make_fingerprint(code='graph code'):
 
 
 SPECS = ({'value': 4}, {'shape': [4, 8], 'dtype': 'float32'}, None)
-LIVE = [7, torch.ones(7, 8), torch.nn.Parameter(torch.ones(3))]
 
 
 def make_record(specs=SPECS):
-  return persistent.RecordedSignature(record_id=persistent.record_id_of(
-      specs, None),
-                                      specs=specs,
-                                      shardings=None)
+  return record.RecordedSignature(record_id=record.record_id_of(specs, None),
+                                  specs=specs,
+                                  shardings=None)
 
 
 def test_record_files_round_trip(tmp_path):
-  index = persistent.GraphIndex(str(tmp_path), make_fingerprint(), LAYOUT)
+  index = signature_index.GraphIndex(str(tmp_path), make_fingerprint(), LAYOUT,
+                                     0)
   index.record(make_record())
   index.record(make_record())  # written once
   (record,) = index.load().records
   assert record.specs == SPECS
   assert record.source.endswith(f'sig-{record.record_id}.json')
-  graph = persistent.read_graph_file(index.directory)
+  graph = signature_index.read_graph_file(index.directory)
   assert graph.fingerprint.key == make_fingerprint().key
   assert graph.kinds == LAYOUT.kinds
 
 
-@pytest.mark.parametrize('specs, reason',
-                         [([{
-                             'value': -1
-                         }, SPECS[1], None], 'non-negative integer'),
-                          ([{
-                              'value': True
-                          }, SPECS[1], None], 'non-negative integer'),
-                          ([SPECS[0], {
-                              'shape': [4, 8]
-                          }, None], 'expected a tensor spec'),
-                          ([SPECS[0], SPECS[1], {
-                              'value': 1
-                          }], 'expected null'),
-                          ([SPECS[0], SPECS[1]], 'list of 3 input specs')])
-def test_parse_specs_names_what_is_wrong(specs, reason):
-  with pytest.raises(persistent.RecordError, match=reason):
-    persistent.parse_specs(LAYOUT.kinds, specs)
-
-
-def test_check_replayable_bounds_the_bytes_it_would_allocate():
-  big = make_record(({
-      'value': 4
-  }, {
-      'shape': [1024, 1024],
-      'dtype': 'float32'
-  }, None))
-  persistent.check_replayable(LAYOUT, big, LIVE, max_bytes=4 << 20)
-  with pytest.raises(persistent.RecordError, match='4194304 bytes'):
-    persistent.check_replayable(LAYOUT, big, LIVE, max_bytes=(4 << 20) - 1)
-  # The automatic bound: 256 MiB, or 8 times the live call's tensor bytes.
-  assert persistent.replay_bytes_limit(LAYOUT, LIVE) == 256 << 20
-
-
-def test_check_replayable_refuses_another_dtype():
-  record = make_record(({
-      'value': 4
-  }, {
-      'shape': [4, 8],
-      'dtype': 'int64'
-  }, None))
-  with pytest.raises(persistent.RecordError, match='dtype int64'):
-    persistent.check_replayable(LAYOUT, record, LIVE, max_bytes=1 << 30)
-
-
-def test_rebuild_args_uses_live_parameters_and_recorded_sizes():
-  args = persistent.rebuild_args(LAYOUT, make_record(), LIVE, 'cpu')
-  assert args[0] == 4
-  assert args[1].shape == (4, 8) and args[1].dtype == torch.float32
-  assert args[2] is LIVE[2]
-
-
 def test_explain_miss_names_differing_parts(tmp_path):
-  persistent.GraphIndex(str(tmp_path), make_fingerprint(),
-                        LAYOUT).record(make_record())
-  index = persistent.GraphIndex(str(tmp_path), make_fingerprint('new code'),
-                                LAYOUT)
+  signature_index.GraphIndex(str(tmp_path), make_fingerprint(), LAYOUT,
+                             0).record(make_record())
+  index = signature_index.GraphIndex(str(tmp_path),
+                                     make_fingerprint('new code'), LAYOUT, 0)
   assert index.explain_miss().endswith('differs in: graph_code')
 
 
 def test_cache_cli_lists_verifies_prunes_and_clears(tmp_path, capsys):
-  index = persistent.GraphIndex(str(tmp_path), make_fingerprint(), LAYOUT)
+  index = signature_index.GraphIndex(str(tmp_path), make_fingerprint(), LAYOUT,
+                                     0)
   other = ({'value': 6}, {'shape': [6, 8], 'dtype': 'float32'}, None)
   index.record(make_record())
   index.record(make_record(other))
@@ -582,8 +599,8 @@ def test_cache_cli_lists_verifies_prunes_and_clears(tmp_path, capsys):
 
 
 def test_cache_cli_runs_as_a_module(tmp_path):
-  persistent.GraphIndex(str(tmp_path), make_fingerprint(),
-                        LAYOUT).record(make_record())
+  signature_index.GraphIndex(str(tmp_path), make_fingerprint(), LAYOUT,
+                             0).record(make_record())
   proc = subprocess.run(
       [sys.executable, '-m', 'torch_xla_patches.cache', 'stats',
        str(tmp_path)],

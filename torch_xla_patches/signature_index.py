@@ -1,17 +1,13 @@
-"""The on-disk signature index: the shape signatures each graph has seen, and
-how often and how recently each was served.
+"""The signature index: the shape signatures each graph has seen, and how
+often and how recently each was served, in a cache directory.
 
 Layout (format 2), one directory per graph fingerprint (see [Note: Graph
 fingerprint]), under <cache_dir>/signatures/<fingerprint key>/:
   graph.json                the fingerprint's parts and the graph's input kinds
-  sig-<id>.json             one recorded signature
+  sig-<id>.json             one recorded signature (see record.py)
   usage-<writer>-<n>.json   what one process served between two flushes
   snapshot-<generation>.json  usage summed over the usage files it covers
   claim-<generation>        taken by the compaction that writes that snapshot
-A signature record holds one input spec per graph input: null (a parameter or
-a static tensor, taken from the live call), {"value": v} for a number, or a
-tensor spec (see io_utils) for a tensor with symbolic sizes; and, under SPMD,
-the sharding spec of each tensor input.
 
 [Note: Index writes without locks]
 Shared file systems (NFS without a lock daemon, GCS FUSE) may not support
@@ -22,7 +18,7 @@ renamed into place, and never changed afterwards:
   * a usage file is named by its writer (host, pid, a random token) and a
     sequence number, so no two processes write the same name;
   * a compaction (more than COMPACT_USAGE_FILES usage files, or more records
-    than config.index_max_signatures) first creates claim-<generation> with
+    than the index's max_signatures) first creates claim-<generation> with
     O_EXCL; if another process holds a fresh claim, or the file system has no
     exclusive create, it does nothing. It writes snapshot-<generation>, which
     names the usage files it summed, then removes those, older snapshots and
@@ -32,34 +28,31 @@ not cover. A reader racing a compaction may undercount usage for that one
 read; concurrent writers never lose each other's records, and a record leaves
 the index only by the cap.
 
-[Note: Index contents are untrusted]
-Everything read from disk is type-checked here (`parse_specs`,
-`parse_shardings`), and every record is checked against the live call
-(`check_replayable`) before anything is allocated or traced. A file that
-fails is reported with its path and the reason and skipped: the index only
-chooses which signatures to compile from the live graph, so skipping costs
-time, never correctness, and nothing in a cache directory can make a call
-fail.
+Every file is read as untrusted data (see [Note: Records are untrusted] and
+[Note: Reading a cache directory never blocks]): a file that fails a check is
+reported with its path and the reason and skipped, never fatal.
 """
 import dataclasses
 import errno
-import hashlib
+import atexit
+import collections
 import itertools
 import json
 import logging
-import math
 import os
 import re
 import secrets
 import socket
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import (Any, DefaultDict, Dict, Hashable, List, Optional, Sequence,
+                    Tuple)
 
-import torch
-
-from torch_xla_patches import config
 from torch_xla_patches import io_utils
 from torch_xla_patches.fingerprint import FingerprintPart, GraphFingerprint
+from torch_xla_patches.record import (RecordError, RecordedSignature, is_count,
+                                      is_finite_number, parse_specs,
+                                      parse_shardings, record_id_of, short)
 from torch_xla_patches.signature import ArgKind, ArgLayout
 
 logger = logging.getLogger('torch_xla_patches.index')
@@ -83,222 +76,6 @@ MAX_FILE_BYTES = 16 << 20
 # Temp files this old were left by a writer that died.
 STALE_TEMP_SECONDS = 3600.0
 
-# What a record holds per graph input: an ArgSpec, or None for a parameter or
-# static tensor, taken from the live call.
-InputSpec = Optional[io_utils.ArgSpec]
-
-
-class RecordError(ValueError):
-  """A record that cannot be used; the message says why."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordedSignature:
-  """One recorded signature of a graph, with its usage."""
-  # Digest of specs and shardings; the record's file is sig-<record_id>.json.
-  record_id: str
-  # One input spec per graph input (see the module docstring).
-  specs: Tuple[InputSpec, ...]
-  # Sharding spec of each tensor input (None for other inputs) under SPMD;
-  # None for a graph without SPMD.
-  shardings: Optional[Tuple[Optional[str], ...]]
-  # Calls served with this signature, summed over the processes that flushed.
-  served: int = 0
-  # When it was last served (or recorded), seconds since the epoch.
-  last_served: float = 0.0
-  # The file or artifact it was read from, for messages.
-  source: str = ''
-
-  def describe(self) -> str:
-    try:
-      parts = [
-          f'{position}:{io_utils.describe_arg_spec(spec)}'
-          for position, spec in enumerate(self.specs)
-          if spec is not None
-      ]
-    except (TypeError, KeyError):
-      # An unchecked record (see [Note: Index contents are untrusted]).
-      return _short(self.specs)
-    return ' '.join(parts) or '(static)'
-
-
-def record_id_of(specs: Sequence[InputSpec],
-                 shardings: Optional[Sequence[Optional[str]]]) -> str:
-  text = io_utils.canonical_json({
-      'specs': list(specs),
-      'shardings': None if shardings is None else list(shardings)
-  })
-  return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def input_specs(layout: ArgLayout,
-                args: Sequence[Any]) -> Tuple[InputSpec, ...]:
-  """What must be recorded to rebuild `args` for a later trace."""
-  return tuple(None if kind in (ArgKind.PARAMETER,
-                                ArgKind.TENSOR) else io_utils.arg_spec(arg)
-               for kind, arg in zip(layout.kinds, args))
-
-
-def input_shardings(layout: ArgLayout,
-                    args: Sequence[Any]) -> Optional[Tuple[Optional[str], ...]]:
-  """The sharding spec of each tensor input under SPMD, else None."""
-  if not layout.spmd:
-    return None
-  import torch_xla
-  positions = layout.tensor_positions
-  specs = torch_xla._XLAC._get_xla_sharding_specs([args[i] for i in positions])
-  by_position = dict(zip(positions, specs))
-  return tuple(by_position.get(i) for i in range(len(layout.kinds)))
-
-
-def make_record(layout: ArgLayout, args: Sequence[Any]) -> RecordedSignature:
-  specs = input_specs(layout, args)
-  shardings = input_shardings(layout, args)
-  return RecordedSignature(record_id=record_id_of(specs, shardings),
-                           specs=specs,
-                           shardings=shardings,
-                           last_served=time.time())
-
-
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not (isinstance(value, float) and
-                                                  not math.isfinite(value))
-
-
-def parse_specs(kinds: Sequence[ArgKind], raw: Any) -> Tuple[InputSpec, ...]:
-  """Type-checks recorded input specs against a graph's input kinds."""
-  if not isinstance(raw, list) or len(raw) != len(kinds):
-    raise RecordError(f'expected a list of {len(kinds)} input specs, found '
-                      f'{_short(raw)}')
-  specs: List[InputSpec] = []
-  for position, (kind, spec) in enumerate(zip(kinds, raw)):
-    where = f'input {position} ({kind.value})'
-    if kind in (ArgKind.PARAMETER, ArgKind.TENSOR):
-      if spec is not None:
-        raise RecordError(f'{where}: expected null, found {_short(spec)}')
-      specs.append(None)
-    elif kind in (ArgKind.SHAPE, ArgKind.SCALAR):
-      if not isinstance(spec, dict) or set(spec) != {'value'}:
-        raise RecordError(f'{where}: expected {{"value": ...}}, found '
-                          f'{_short(spec)}')
-      value = spec['value']
-      if kind == ArgKind.SHAPE and not (_is_int(value) and value >= 0):
-        raise RecordError(f'{where}: a size must be a non-negative integer, '
-                          f'found {_short(value)}')
-      if kind == ArgKind.SCALAR and not (isinstance(value, bool) or
-                                         _is_number(value)):
-        raise RecordError(f'{where}: expected a number, found {_short(value)}')
-      specs.append({'value': value})
-    else:
-      if not isinstance(spec, dict) or set(spec) != {'shape', 'dtype'}:
-        raise RecordError(f'{where}: expected a tensor spec, found '
-                          f'{_short(spec)}')
-      shape = spec['shape']
-      if not isinstance(shape, list) or not all(
-          _is_int(size) and size >= 0 for size in shape):
-        raise RecordError(f'{where}: sizes must be non-negative integers, '
-                          f'found {_short(shape)}')
-      try:
-        io_utils.dtype_from_name(spec['dtype'])
-      except ValueError as e:
-        raise RecordError(f'{where}: {e}') from None
-      specs.append({'shape': list(shape), 'dtype': spec['dtype']})
-  return tuple(specs)
-
-
-def parse_shardings(kinds: Sequence[ArgKind],
-                    raw: Any) -> Optional[Tuple[Optional[str], ...]]:
-  if raw is None:
-    return None
-  if not isinstance(raw, list) or len(raw) != len(kinds) or not all(
-      spec is None or isinstance(spec, str) for spec in raw):
-    raise RecordError(f'expected {len(kinds)} sharding specs (strings or '
-                      f'null), found {_short(raw)}')
-  return tuple(raw)
-
-
-def _short(value: Any) -> str:
-  text = repr(value)
-  return text if len(text) <= 60 else text[:57] + '...'
-
-
-def tensor_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-  # Python ints: a damaged size cannot overflow the product.
-  return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-
-def replay_bytes_limit(layout: ArgLayout, live_args: Sequence[Any]) -> int:
-  """How many bytes of tensors a replayed record may make (see
-  config.replay_max_bytes)."""
-  if config.replay_max_bytes > 0:
-    return config.replay_max_bytes
-  live = sum(
-      tensor_bytes(live_args[i].shape, live_args[i].dtype)
-      for i in layout.tensor_positions)
-  return max(256 << 20, 8 * live)
-
-
-def check_replayable(layout: ArgLayout, record: RecordedSignature,
-                     live_args: Sequence[Any], max_bytes: int) -> None:
-  """Raises RecordError unless `record` can be rebuilt from `live_args`:
-  specs of the graph's kinds, each tensor of the live input's rank and
-  dtype, at most `max_bytes` of new tensors, and under SPMD the live
-  input's sharding at every tensor position."""
-  raw = record.specs
-  specs = parse_specs(layout.kinds,
-                      list(raw) if isinstance(raw, tuple) else raw)
-  total = 0
-  for position, spec in enumerate(specs):
-    if layout.kinds[position] != ArgKind.DYNAMIC_TENSOR:
-      continue
-    live = live_args[position]
-    dtype = io_utils.dtype_from_name(spec['dtype'])
-    if len(spec['shape']) != live.dim():
-      raise RecordError(f'input {position} has rank {len(spec["shape"])}, the '
-                        f'live input rank {live.dim()}')
-    if dtype != live.dtype:
-      raise RecordError(f'input {position} has dtype {spec["dtype"]}, the '
-                        f'live input {io_utils.dtype_name(live.dtype)}')
-    total += tensor_bytes(spec['shape'], dtype)
-  if total > max_bytes:
-    raise RecordError(f'its tensors would take {total} bytes, over the bound '
-                      f'of {max_bytes} (config.replay_max_bytes)')
-  if layout.spmd:
-    live = input_shardings(layout, live_args)
-    if record.shardings != live:
-      differing = [
-          i for i in layout.tensor_positions
-          if record.shardings is None or record.shardings[i] != live[i]
-      ]
-      raise RecordError('recorded input shardings differ from the live ones '
-                        f'at inputs {differing}')
-
-
-def rebuild_args(layout: ArgLayout, record: RecordedSignature,
-                 live_args: Sequence[Any], device: Any) -> List[Any]:
-  """Arguments for tracing a checked record (see check_replayable): live
-  parameters and static tensors, zeros of the recorded sizes (with the live
-  input's sharding under SPMD), recorded numbers."""
-  args = []
-  for kind, spec, live in zip(layout.kinds, record.specs, live_args):
-    if kind in (ArgKind.SHAPE, ArgKind.SCALAR):
-      args.append(io_utils.arg_from_spec(spec, device))
-    elif kind == ArgKind.DYNAMIC_TENSOR:
-      tensor = io_utils.arg_from_spec(spec, device)
-      if layout.spmd:
-        import torch_xla
-        sharding = torch_xla._XLAC._get_xla_op_sharding(live)
-        if sharding is not None:
-          torch_xla._XLAC._xla_mark_sharding(tensor, sharding)
-      args.append(tensor)
-    else:
-      args.append(live)
-  return args
-
 
 @dataclasses.dataclass(frozen=True)
 class IndexProblem:
@@ -314,7 +91,7 @@ class IndexContents:
   records: Tuple[RecordedSignature, ...]
   # Record files that failed a check, one per file.
   problems: Tuple[IndexProblem, ...]
-  # Records past config.index_max_signatures, left for compaction to drop.
+  # Records past the index's max_signatures, left for compaction to drop.
   over_cap: int = 0
 
 
@@ -330,8 +107,7 @@ class _Usage:
 
 def _read_json(path: str) -> Any:
   try:
-    with open(path, 'rb') as f:
-      data = f.read(MAX_FILE_BYTES + 1)
+    data = io_utils.read_regular_file(path, MAX_FILE_BYTES)
     if len(data) > MAX_FILE_BYTES:
       raise RecordError(f'larger than {MAX_FILE_BYTES} bytes')
     return json.loads(data)
@@ -343,7 +119,7 @@ def _check_format(data: Any) -> None:
   if not isinstance(data, dict):
     raise RecordError('not a JSON object')
   if data.get('format_version') != FORMAT_VERSION:
-    raise RecordError(f'format version {_short(data.get("format_version"))}, '
+    raise RecordError(f'format version {short(data.get("format_version"))}, '
                       f'expected {FORMAT_VERSION}')
 
 
@@ -353,8 +129,8 @@ def _parse_usage_map(raw: Any) -> Dict[str, _Usage]:
   usage = {}
   for record_id, value in raw.items():
     if not (isinstance(value, list) and len(value) == 2 and
-            _is_int(value[0]) and value[0] >= 0 and _is_number(value[1])):
-      raise RecordError(f'usage of {_short(record_id)} is {_short(value)}, '
+            is_count(value[0]) and is_finite_number(value[1])):
+      raise RecordError(f'usage of {short(record_id)} is {short(value)}, '
                         'expected [count, seconds]')
     usage[record_id] = _Usage(value[0], float(value[1]))
   return usage
@@ -371,14 +147,14 @@ def read_record_file(path: str, fingerprint_key: str,
   data = _read_json(path)
   _check_format(data)
   if data.get('fingerprint') != fingerprint_key:
-    raise RecordError(f'names fingerprint {_short(data.get("fingerprint"))}')
+    raise RecordError(f'names fingerprint {short(data.get("fingerprint"))}')
   if data.get('kinds') != [kind.value for kind in kinds]:
     raise RecordError('input kinds differ from the live graph')
   specs = parse_specs(kinds, data.get('specs'))
   shardings = parse_shardings(kinds, data.get('shardings'))
   created = data.get('created')
-  if not _is_number(created):
-    raise RecordError(f'"created" is {_short(created)}, expected seconds')
+  if not is_finite_number(created):
+    raise RecordError(f'"created" is {short(created)}, expected seconds')
   return RecordedSignature(record_id=record_id_of(specs, shardings),
                            specs=specs,
                            shardings=shardings,
@@ -403,16 +179,19 @@ class GraphIndex:
   """The index of one graph: its directory under a cache directory.
 
   Args:
-    cache_dir: the cache directory (config.cache_dir).
+    cache_dir: the cache directory.
     fingerprint: the graph's fingerprint.
     layout: the graph's argument layout.
+    max_signatures: most records kept; compaction drops the least served
+      past it, and load() returns at most this many. 0: no cap.
   """
 
   def __init__(self, cache_dir: str, fingerprint: GraphFingerprint,
-               layout: ArgLayout):
+               layout: ArgLayout, max_signatures: int):
     self.cache_dir = cache_dir
     self.fingerprint = fingerprint
     self.layout = layout
+    self.max_signatures = max_signatures
     self.directory = os.path.join(cache_dir, SIGNATURES_DIR, fingerprint.key)
     self._kinds = [kind.value for kind in layout.kinds]
     self._written: set = set()
@@ -426,19 +205,15 @@ class GraphIndex:
     except FileNotFoundError:
       return []
 
-  def _usage(
-      self, names: Sequence[str]
-  ) -> Tuple[Dict[str, _Usage], List[str], Optional[int]]:
-    """Usage per record id, the usage files summed, and the snapshot's
-    generation (None without one)."""
+  def _usage(self, names: Sequence[str]) -> Tuple[Dict[str, _Usage], List[str]]:
+    """Usage per record id, and the usage files summed."""
     usage: Dict[str, _Usage] = {}
     covered: set = set()
-    generation = None
     snapshots = sorted(((_generation(n, SNAPSHOT_PREFIX), n)
                         for n in names
                         if _generation(n, SNAPSHOT_PREFIX) is not None),
                        reverse=True)
-    for gen, name in snapshots:
+    for _, name in snapshots:
       path = os.path.join(self.directory, name)
       try:
         data = _read_json(path)
@@ -454,7 +229,6 @@ class GraphIndex:
                          path, e)
         continue
       covered = set(covers)
-      generation = gen
       break
     summed = []
     for name in names:
@@ -474,7 +248,7 @@ class GraphIndex:
       for record_id, item in delta.items():
         usage.setdefault(record_id, _Usage()).add(item.served, item.last_served)
       summed.append(name)
-    return usage, summed, generation
+    return usage, summed
 
   def _records(
       self, names: Sequence[str]
@@ -512,11 +286,11 @@ class GraphIndex:
     try:
       names = self._names()
       records, problems = self._records(names)
-      usage, _, _ = self._usage(names)
+      usage, _ = self._usage(names)
     except OSError as e:
       return IndexContents((), (IndexProblem(self.directory, str(e)),))
     ranked = self._ranked(records, usage)
-    cap = config.index_max_signatures
+    cap = self.max_signatures
     over = max(0, len(ranked) - cap) if cap > 0 else 0
     return IndexContents(tuple(ranked[:len(ranked) - over]), tuple(problems),
                          over)
@@ -621,7 +395,7 @@ class GraphIndex:
         n for n in names if n.startswith(USAGE_PREFIX) and n.endswith('.json')
     ]
     record_files = [n for n in names if n.startswith(RECORD_PREFIX)]
-    cap = config.index_max_signatures
+    cap = self.max_signatures
     over_cap = cap > 0 and len(record_files) > cap
     if not force and len(usage_files) <= COMPACT_USAGE_FILES and not over_cap:
       return False
@@ -629,7 +403,7 @@ class GraphIndex:
     if generation is None:
       return False
     records, _ = self._records(names)
-    usage, summed, _ = self._usage(names)
+    usage, summed = self._usage(names)
     ranked = self._ranked(records, usage)
     kept = ranked[:cap] if cap > 0 else ranked
     dropped = ranked[len(kept):]
@@ -720,7 +494,7 @@ def read_graph_file(directory: str) -> GraphFile:
     raise RecordError('"parts" is not a list of [name, value] strings')
   known_kinds = {kind.value for kind in ArgKind}
   if not isinstance(kinds, list) or not all(k in known_kinds for k in kinds):
-    raise RecordError(f'"kinds" is {_short(kinds)}')
+    raise RecordError(f'"kinds" is {short(kinds)}')
   fingerprint = GraphFingerprint(
       tuple(FingerprintPart(name, value) for name, value in parts))
   if fingerprint.key != os.path.basename(directory):
@@ -729,37 +503,67 @@ def read_graph_file(directory: str) -> GraphFile:
   return GraphFile(fingerprint, tuple(ArgKind(k) for k in kinds))
 
 
-def open_graph_directory(directory: str) -> GraphIndex:
+def open_graph_directory(directory: str, max_signatures: int) -> GraphIndex:
   """The GraphIndex of an existing graph directory, from its graph.json (for
   tools; the bridge builds its GraphIndex from the live graph)."""
   graph = read_graph_file(directory)
   spmd = graph.fingerprint.as_dict().get('spmd') == 'True'
   return GraphIndex(os.path.dirname(os.path.dirname(directory)),
-                    graph.fingerprint, ArgLayout(kinds=graph.kinds, spmd=spmd))
+                    graph.fingerprint, ArgLayout(kinds=graph.kinds,
+                                                 spmd=spmd), max_signatures)
 
 
-_warned_no_executable_loading = False
+_live_usage_logs: 'weakref.WeakSet[UsageLog]' = weakref.WeakSet()
+_exit_flush_registered = False
 
 
-def check_persistent_executables() -> Optional[bool]:
-  """Whether persisted executables really load: True, False, or None when
-  nothing was tried. Says so once, plainly, when they do not."""
-  global _warned_no_executable_loading
-  if not config.persistent_executables:
-    return None
-  import torch_xla
-  import torch_xla.debug.metrics as metrics
-  failures = metrics.counter_value('PersistentCacheDeserializeFailure') or 0
-  hits = metrics.counter_value('PersistentCacheHit') or 0
-  if failures and not _warned_no_executable_loading:
-    _warned_no_executable_loading = True
-    import torch_xla.runtime as xr
-    logger.warning(
-        'torch_xla_patches: torch_xla %s could not load %d persisted XLA '
-        'executable(s) on %s (PersistentCacheDeserializeFailure). Nothing was '
-        'loaded from disk: the signature index made this process compile '
-        'those programs again.', torch_xla.__version__, failures,
-        xr.device_type())
-  if failures:
-    return False
-  return True if hits else None
+class UsageLog:
+  """Calls served per signature in this process, written to an index as one
+  usage file every `flush_seconds` (checked after served calls) and at exit.
+
+  Args:
+    index: the graph's index.
+    flush_seconds: seconds between two writes.
+  """
+
+  def __init__(self, index: GraphIndex, flush_seconds: float):
+    global _exit_flush_registered
+    self.index = index
+    self.flush_seconds = flush_seconds
+    # Calls served per signature key since the last flush; the bridge bumps
+    # it on every call, so it is a plain dict.
+    self.served: DefaultDict[Hashable, int] = collections.defaultdict(int)
+    self.next_flush = time.monotonic() + flush_seconds
+    # Record id of each signature key recorded so far.
+    self._record_ids: Dict[Hashable, str] = {}
+    _live_usage_logs.add(self)
+    if not _exit_flush_registered:
+      _exit_flush_registered = True
+      atexit.register(flush_all_usage)
+
+  def record(self, key: Hashable, record: RecordedSignature) -> None:
+    """Writes `record` to the index (once); its calls count from now on."""
+    self._record_ids[key] = record.record_id
+    self.index.record(record)
+    if time.monotonic() >= self.next_flush:
+      self.flush()
+
+  def flush(self) -> None:
+    """Writes the calls served since the last flush."""
+    self.next_flush = time.monotonic() + self.flush_seconds
+    if not self.served:
+      return
+    now = time.time()
+    usage: Dict[str, Tuple[int, float]] = {}
+    for key, count in list(self.served.items()):
+      record_id = self._record_ids.get(key)
+      if record_id is not None:
+        usage[record_id] = (usage.get(record_id, (0, now))[0] + count, now)
+    self.served.clear()
+    self.index.write_usage(usage)
+
+
+def flush_all_usage() -> None:
+  """Flushes the usage of every graph alive in this process (at exit)."""
+  for usage in list(_live_usage_logs):
+    usage.flush()
