@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from torch_xla_patches import config, fingerprint
+from torch_xla_patches import config, fingerprint, versions
 from torch_xla_patches.signature import ArgKind, ArgLayout
 
 
@@ -109,6 +109,20 @@ def test_versions_and_devices_are_parts():
       'graph_code', 'input_metadata', 'torch_version', 'torch_xla_version',
       'python_version', 'device_kind', 'device_count', 'xla_flags', 'spmd'
   ]
+
+
+def test_version_parts_are_the_runtime_versions(monkeypatch):
+  # fingerprint.py reads them itself; see [Note: Runtime versions].
+  import platform
+  import torch_xla
+  monkeypatch.setattr(torch, '__version__', '2.9.0+test')
+  monkeypatch.setattr(torch_xla, '__version__', '2.9.0+git0')
+  monkeypatch.setattr(platform, 'python_version', lambda: '3.11.99')
+  assert versions.runtime_versions() == versions.RuntimeVersions(
+      torch='2.9.0+test', torch_xla='2.9.0+git0', python='3.11.99')
+  parts = fingerprint.graph_fingerprint(None, LAYOUT).as_dict()
+  assert (parts['torch_version'], parts['torch_xla_version'],
+          parts['python_version']) == ('2.9.0+test', '2.9.0+git0', '3.11.99')
 
 
 if __name__ == '__main__':

@@ -1,20 +1,51 @@
-"""versions.py: the supported (torch, torch_xla) pairs, and the save/load
-refusal on releases without torch's aot_compile."""
+"""versions.py: the versions of this process, the supported (torch,
+torch_xla) pairs, and the save/load refusal on releases without torch's
+aot_compile."""
+import os
+import platform
+import re
 import sys
 
 import pytest
 import torch
+import torch_xla
 
 import torch_xla_patches
 from torch_xla_patches import serialization, versions
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _found(torch_version, torch_xla_version):
+  return versions.RuntimeVersions(torch=torch_version,
+                                  torch_xla=torch_xla_version,
+                                  python='3.11.0')
+
+
+def test_runtime_versions_are_what_the_modules_report():
+  found = versions.runtime_versions()
+  assert found == versions.RuntimeVersions(torch=torch.__version__,
+                                           torch_xla=torch_xla.__version__,
+                                           python=platform.python_version())
+  assert found.release() == versions.ReleasePair(
+      torch=torch.__version__.split('+')[0],
+      torch_xla=torch_xla.__version__.split('+')[0])
+  assert versions.installed() == found.release()
+
+
+def test_release_drops_local_tags_only():
+  assert _found('2.9.0+cu128',
+                '2.9.0+git1a2b').release() == (versions.ReleasePair(
+                    torch='2.9.0', torch_xla='2.9.0'))
 
 
 @pytest.mark.parametrize('pair',
                          versions.SUPPORTED_PAIRS,
                          ids=lambda pair: pair.describe())
 def test_every_supported_pair_is_accepted_with_local_tags(pair):
-  versions.check_supported(pair.torch + '+cu128', pair.torch_xla)
-  versions.check_supported(pair.torch + '+cpu', pair.torch_xla + '+git1a2b')
+  versions.check_supported(_found(pair.torch + '+cu128', pair.torch_xla))
+  versions.check_supported(
+      _found(pair.torch + '+cpu', pair.torch_xla + '+git1a2b'))
 
 
 def test_installed_pair_is_supported():
@@ -22,22 +53,40 @@ def test_installed_pair_is_supported():
   versions.check_supported()
 
 
+def test_check_reads_the_installed_versions(monkeypatch):
+  monkeypatch.setattr(torch_xla, '__version__', '2.7.0')
+  with pytest.raises(RuntimeError) as info:
+    versions.check_supported()
+  assert str(info.value).endswith(
+      f'found torch_xla 2.7.0 (with torch {torch.__version__}).')
+
+
 def test_releases_of_different_pairs_are_refused():
   with pytest.raises(RuntimeError) as info:
-    versions.check_supported('2.9.0+cu128', '2.8.1')
+    versions.check_supported(_found('2.9.0+cu128', '2.8.1'))
   assert str(info.value).endswith(
       'found torch 2.9.0+cu128 with torch_xla 2.8.1, which needs torch 2.8.0.')
   with pytest.raises(RuntimeError) as info:
-    versions.check_supported('2.8.0', '2.9.0')
+    versions.check_supported(_found('2.8.0', '2.9.0'))
   assert str(info.value).endswith(
       'found torch 2.8.0 with torch_xla 2.9.0, which needs torch 2.9.0.')
 
 
-def test_supported_version_lists_follow_the_pairs():
-  assert versions.SUPPORTED_TORCH_VERSIONS == ('2.8.0', '2.9.0')
-  assert versions.SUPPORTED_TORCH_XLA_VERSIONS == ('2.8.0', '2.8.1', '2.9.0')
-  assert torch_xla_patches.SUPPORTED_TORCH_XLA_VERSIONS == (
-      versions.SUPPORTED_TORCH_XLA_VERSIONS)
+def test_makefile_installs_exactly_the_supported_pairs():
+  with open(os.path.join(REPO_ROOT, 'Makefile')) as f:
+    makefile = f.read()
+  table = re.findall(r'^TORCH_FOR_(\S+)\s*:=\s*(\S+)\s*$', makefile,
+                     re.MULTILINE)
+  assert table, 'no TORCH_FOR_* lines in the Makefile'
+  pairs = [
+      versions.ReleasePair(torch=torch_version, torch_xla=torch_xla_version)
+      for torch_xla_version, torch_version in table
+  ]
+  assert sorted(pairs, key=repr) == sorted(versions.SUPPORTED_PAIRS, key=repr)
+  # Every supported torch has its torchvision named.
+  assert set(versions.TORCHVISION_FOR_TORCH) == {
+      pair.torch for pair in versions.SUPPORTED_PAIRS
+  }
 
 
 def test_aot_compile_feature_test_matches_torch():

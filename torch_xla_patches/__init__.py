@@ -70,7 +70,7 @@ def apply(*,
     if is_applied():
       return
     # Everything that can refuse runs before anything changes.
-    versions.check_supported(torch.__version__, torch_xla.__version__)
+    versions.check_supported()
     for module in (upstream_bridge, core_bridge):
       target = _patching.PatchTarget(module, 'extract_compiled_graph')
       current = getattr(module, 'extract_compiled_graph', None)

@@ -2,13 +2,13 @@
 
 [Note: Artifact safety]
 The file is a magic line, a JSON header and a pickle payload. The header holds
-the payload's SHA-256 and size, the torch, torch_xla and Python versions, and
-a digest of the model's source (see source_digest.py). `load` refuses, with
-`ArtifactMismatchError` naming expected and found values, an artifact from
-other versions or for other source, because the saved bytecode and graph may
-then compute something else. A file that is truncated or does not parse
-raises `ArtifactCorruptError`. Both are `ArtifactError`s. The payload is a
-pickle: load only files you trust.
+the payload's SHA-256 and size, the torch, torch_xla and Python versions (see
+[Note: Runtime versions]), and a digest of the model's source (see
+source_digest.py). `load` refuses, with `ArtifactMismatchError` naming expected
+and found values, an artifact from other versions or for other source, because
+the saved bytecode and graph may then compute something else. A file that is
+truncated or does not parse raises `ArtifactCorruptError`. Both are
+`ArtifactError`s. The payload is a pickle: load only files you trust.
 
 The payload is torch's AOTCompiledFunction state (dynamo's bytecode, guards
 and the backend's serialized callable), written by `serialize_aot` (see
@@ -20,14 +20,12 @@ import importlib
 import io
 import json
 import pickle
-import platform
 import types
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
 from torch_xla_patches import io_utils
 from torch_xla_patches import torch_internals
+from torch_xla_patches import versions
 
 FORMAT_VERSION = 1
 _MAGIC = b'TORCH_XLA_PATCHES_AOT\n'
@@ -68,16 +66,19 @@ class ArtifactHeader:
   payload_sha256: str
   payload_size: int
 
+  def saved_versions(self) -> versions.RuntimeVersions:
+    """The versions of the process that saved the artifact."""
+    return versions.RuntimeVersions(torch=self.torch_version,
+                                    torch_xla=self.torch_xla_version,
+                                    python=self.python_version)
+
   def check_runtime(self) -> None:
-    expected = {
-        'torch': self.torch_version,
-        'torch_xla': self.torch_xla_version,
-        'Python': self.python_version,
-    }
-    found = runtime_versions()
+    saved = self.saved_versions()
+    found = versions.runtime_versions()
     differing = [
-        f'{name} {expected[name]} (found {found[name]})' for name in expected
-        if expected[name] != found[name]
+        f'{label} {getattr(saved, field)} (found {getattr(found, field)})'
+        for field, label in _VERSION_LABELS.items()
+        if getattr(saved, field) != getattr(found, field)
     ]
     if differing:
       raise ArtifactMismatchError(
@@ -86,12 +87,32 @@ class ArtifactHeader:
           'the versions of this process.')
 
 
-def runtime_versions() -> Dict[str, str]:
-  import torch_xla
+# RuntimeVersions field -> how check_runtime's message names it.
+_VERSION_LABELS = {
+    'torch': 'torch',
+    'torch_xla': 'torch_xla',
+    'python': 'Python'
+}
+
+
+def version_fields() -> Dict[str, str]:
+  """The ArtifactHeader fields that name this process's versions, as
+  keyword arguments: ArtifactHeader(**version_fields(), ...)."""
+  found = versions.runtime_versions()
   return {
-      'torch': torch.__version__,
-      'torch_xla': torch_xla.__version__,
-      'Python': platform.python_version(),
+      'torch_version': found.torch,
+      'torch_xla_version': found.torch_xla,
+      'python_version': found.python,
+  }
+
+
+def runtime_versions() -> Dict[str, str]:
+  """Transitional, for serialization.save until it uses version_fields()."""
+  found = versions.runtime_versions()
+  return {
+      'torch': found.torch,
+      'torch_xla': found.torch_xla,
+      'Python': found.python
   }
 
 

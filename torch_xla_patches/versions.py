@@ -4,6 +4,8 @@
 torch_xla 2.9.0 is the last release of torch_xla; the users left run 2.9.0 or
 2.8.x, each with the torch release it was built against. Everything that
 depends on which of them is installed lives here:
+  * runtime_versions(), the torch, torch_xla and Python versions of this
+    process (see [Note: Runtime versions]);
   * SUPPORTED_PAIRS, the (torch, torch_xla) pairs apply() accepts, and
     check_supported(), which refuses any other pair;
   * feature tests (has_torch_aot_compile()) and require_*() helpers that
@@ -33,6 +35,7 @@ What differs between the supported releases, as far as the patch goes:
 """
 import dataclasses
 import importlib.util
+import platform
 from typing import Optional
 
 
@@ -73,44 +76,72 @@ def base_version(version: str) -> str:
   return version.split('+')[0]
 
 
-def installed() -> ReleasePair:
-  """The torch and torch_xla releases of this process, local tags dropped."""
+@dataclasses.dataclass(frozen=True)
+class RuntimeVersions:
+  """The versions of this process, as the modules report them.
+
+  [Note: Runtime versions]
+  runtime_versions() is where the package reads torch.__version__,
+  torch_xla.__version__ and the Python version: for the supported-release
+  check (check_supported) and the artifact header (artifact.version_fields).
+  The modules rendered into the upstream pull request (fingerprint.py and the
+  others the bridge imports) read them themselves, because importing this
+  module would put it in the pull request too; fingerprint.runtime_parts
+  records the same three strings, which test_fingerprint.py checks. The fields
+  keep local build tags ('2.9.0+cu128'): an index entry or an artifact names
+  exactly what ran. release() drops them for the release checks, where
+  '+cu128' and '+cpu' are the same release.
+  """
+  # torch.__version__, e.g. '2.9.0+cu128'.
+  torch: str
+  # torch_xla.__version__, e.g. '2.9.0'.
+  torch_xla: str
+  # platform.python_version(), e.g. '3.11.9'.
+  python: str
+
+  def release(self) -> ReleasePair:
+    """The torch and torch_xla releases, local build tags dropped."""
+    return ReleasePair(torch=base_version(self.torch),
+                       torch_xla=base_version(self.torch_xla))
+
+
+def runtime_versions() -> RuntimeVersions:
+  """The versions of this process; see [Note: Runtime versions]."""
   import torch
   import torch_xla
-  return ReleasePair(torch=base_version(torch.__version__),
-                     torch_xla=base_version(torch_xla.__version__))
+  return RuntimeVersions(torch=torch.__version__,
+                         torch_xla=torch_xla.__version__,
+                         python=platform.python_version())
+
+
+def installed() -> ReleasePair:
+  """The torch and torch_xla releases of this process, local tags dropped."""
+  return runtime_versions().release()
 
 
 def supported_pairs_text() -> str:
   return ', '.join(pair.describe() for pair in SUPPORTED_PAIRS)
 
 
-def check_supported(torch_version: Optional[str] = None,
-                    torch_xla_version: Optional[str] = None) -> None:
-  """Raises RuntimeError unless the pair is one of SUPPORTED_PAIRS.
+def check_supported(found: Optional[RuntimeVersions] = None) -> None:
+  """Raises RuntimeError unless the release pair is one of SUPPORTED_PAIRS.
 
   Args:
-    torch_version: as in torch.__version__; None reads the installed one.
-    torch_xla_version: as in torch_xla.__version__; None reads the installed
-      one.
+    found: the versions to check; None reads this process's
+      (runtime_versions()).
   """
-  if torch_version is None or torch_xla_version is None:
-    import torch
-    import torch_xla
-    torch_version = torch_version or torch.__version__
-    torch_xla_version = torch_xla_version or torch_xla.__version__
-  found = ReleasePair(torch=base_version(torch_version),
-                      torch_xla=base_version(torch_xla_version))
-  if found in SUPPORTED_PAIRS:
+  found = found or runtime_versions()
+  release = found.release()
+  if release in SUPPORTED_PAIRS:
     return
   # Name the release that is wrong: torch_xla if no pair has it, else torch.
   torch_for_xla = [
-      p.torch for p in SUPPORTED_PAIRS if p.torch_xla == found.torch_xla
+      p.torch for p in SUPPORTED_PAIRS if p.torch_xla == release.torch_xla
   ]
   if not torch_for_xla:
-    problem = (f'torch_xla {torch_xla_version} (with torch {torch_version})')
+    problem = f'torch_xla {found.torch_xla} (with torch {found.torch})'
   else:
-    problem = (f'torch {torch_version} with torch_xla {torch_xla_version}, '
+    problem = (f'torch {found.torch} with torch_xla {found.torch_xla}, '
                f'which needs torch {torch_for_xla[0]}')
   raise RuntimeError(
       f'torch_xla_patches supports {supported_pairs_text()}; found {problem}.')
@@ -125,11 +156,11 @@ def require_torch_aot_compile(what: str) -> None:
   """Raises RuntimeError naming `what` and the torch release it needs."""
   if has_torch_aot_compile():
     return
-  import torch
+  found = runtime_versions().torch
   raise RuntimeError(
       f'torch_xla_patches: {what} needs torch {TORCH_AOT_COMPILE_SINCE} or '
-      f'later (torch._dynamo.aot_compile); found torch {torch.__version__}. '
-      f'The rest of the patch works on torch {torch.__version__}.')
+      f'later (torch._dynamo.aot_compile); found torch {found}. '
+      f'The rest of the patch works on torch {found}.')
 
 
 def _release_tuple(version: str) -> tuple:
