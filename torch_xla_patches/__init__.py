@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from torch_xla_patches import _patching
 from torch_xla_patches import config
+from torch_xla_patches import torch_internals
 from torch_xla_patches import versions
 from torch_xla_patches.io_utils import TensorSpec
 
@@ -60,8 +61,6 @@ def apply(*,
     raise ValueError(f'precompile_mode must be one of '
                      f'{config.PRECOMPILE_MODES}, got {precompile_mode!r}')
   global _decompositions_installed
-  import torch
-  import torch._dynamo
   import torch_xla
   import torch_xla._dynamo.dynamo_bridge as upstream_bridge
   import torch_xla.core.dynamo_bridge as core_bridge
@@ -71,6 +70,8 @@ def apply(*,
       return
     # Everything that can refuse runs before anything changes.
     versions.check_supported()
+    dynamo_config = torch_internals.dynamo_config(
+        'automatic_dynamic_shapes', 'enable_cpp_symbolic_shape_guards')
     for module in (upstream_bridge, core_bridge):
       target = _patching.PatchTarget(module, 'extract_compiled_graph')
       current = getattr(module, 'extract_compiled_graph', None)
@@ -104,10 +105,9 @@ def apply(*,
       _registry.set(module, 'extract_compiled_graph',
                     dynamo_bridge.extract_compiled_graph)
     if config.automatic_dynamic_shapes:
-      _registry.set(torch._dynamo.config, 'automatic_dynamic_shapes', True)
+      _registry.set(dynamo_config, 'automatic_dynamic_shapes', True)
     if not config.cpp_symbolic_shape_guards:
-      _registry.set(torch._dynamo.config, 'enable_cpp_symbolic_shape_guards',
-                    False)
+      _registry.set(dynamo_config, 'enable_cpp_symbolic_shape_guards', False)
     if config.persistent_executables and config.cache_dir:
       import torch_xla.runtime as xr
       xr.initialize_cache(os.path.join(config.cache_dir, 'xla'), readonly=False)

@@ -18,7 +18,8 @@ no size, stride or size argument is symbolic it calls torch_xla's C++
 `AutogradXLA` kernel, exactly what would have run without the kernel, and the
 traced graph (so the XLA program) is unchanged. uninstall() removes the
 kernels and clears the ops' dispatch caches, which restores the original
-dispatch.
+dispatch. These dispatcher internals are reached through torch_internals.py
+(see [Note: Private torch APIs]).
 
 [Note: SymInt-unsafe kernels of torch_xla 2.8 and 2.9]
 The same four kernels fail the same way in torch_xla 2.8.1 and 2.9.0
@@ -49,19 +50,21 @@ import threading
 from typing import Any, Callable, Dict, List
 
 import torch
-from torch._C import DispatchKey
 
+from torch_xla_patches import torch_internals
 from torch_xla_patches import versions
 
 aten = torch.ops.aten
+# The type of aten's op overloads (aten.native_layer_norm.default, ...).
+OpOverload = type(aten.native_layer_norm.default)
 
 # The key torch_xla registers its autograd kernels under.
-_KEY = DispatchKey.AutogradXLA
+_KEY = torch_internals.autograd_xla_key()
 
 
 def _is_symbolic(value: Any) -> bool:
   if isinstance(value, torch.Tensor):
-    return value._has_symbolic_sizes_strides
+    return torch_internals.has_symbolic_sizes_strides(value)
   if isinstance(value, (torch.SymInt, torch.SymFloat)):
     return True
   if isinstance(value, (list, tuple)):
@@ -75,12 +78,12 @@ def _any_symbolic(args, kwargs) -> bool:
 
 
 def _layer_norm_symbolic(*args, **kwargs):
-  decomp = torch._decomp.decomposition_table[aten.native_layer_norm.default]
+  decomp = torch_internals.decomposition(aten.native_layer_norm.default)
   return decomp(*args, **kwargs)
 
 
 def _group_norm_symbolic(*args, **kwargs):
-  decomp = torch._decomp.decomposition_table[aten.native_group_norm.default]
+  decomp = torch_internals.decomposition(aten.native_group_norm.default)
   return decomp(*args, **kwargs)
 
 
@@ -100,24 +103,24 @@ class Override:
     op: the aten overload whose AutogradXLA kernel is SymInt-unsafe.
     symbolic: what runs instead when an input is symbolic.
   """
-  op: torch._ops.OpOverload
+  op: OpOverload
   symbolic: Callable[..., Any]
 
   def make_kernel(self) -> Callable[..., Any]:
-    op, symbolic = self.op, self.symbolic
-
-    name = op.name()
+    symbolic = self.symbolic
+    name = self.op.name()
+    # torch_xla's C++ kernel for this key; see [Note: Scoping the
+    # decompositions to symbolic inputs].
+    original = torch_internals.cpp_kernel(self.op, _KEY)
 
     def kernel(*args, **kwargs):
       if _any_symbolic(args, kwargs):
         _calls[(name, 'symbolic')] += 1
         return symbolic(*args, **kwargs)
       _calls[(name, 'original')] += 1
-      # torch_xla's C++ kernel for this key; see [Note: Scoping the
-      # decompositions to symbolic inputs].
-      return op._op_dk(_KEY, *args, **kwargs)
+      return original(*args, **kwargs)
 
-    kernel.__name__ = f'symint_safe_{op.name().replace("::", "_")}'
+    kernel.__name__ = f'symint_safe_{name.replace("::", "_")}'
     kernel.__qualname__ = kernel.__name__
     return kernel
 
@@ -131,7 +134,7 @@ OVERRIDES: List[Override] = [
 
 # op -> the kernel install() put in op.py_kernels[_KEY]; empty when not
 # installed.
-_installed: Dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+_installed: Dict[OpOverload, Callable[..., Any]] = {}
 _lock = threading.Lock()
 # (op name, 'symbolic' | 'original') -> calls of the installed kernels, so
 # tests can tell which path a trace took. Trace-time only, never per step.
@@ -154,21 +157,22 @@ def is_installed() -> bool:
   return bool(_installed)
 
 
-def installed_ops() -> List[torch._ops.OpOverload]:
+def installed_ops() -> List[OpOverload]:
   return list(_installed)
 
 
-def _check_target(op: torch._ops.OpOverload) -> None:
+def _check_target(op: OpOverload) -> None:
   # A kernel in front of a missing C++ kernel would change dispatch instead of
   # narrowing it; a foreign Python kernel must not be overwritten.
-  if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), _KEY):
+  if not torch_internals.has_cpp_kernel(op, _KEY):
     raise RuntimeError(
         f'torch_xla_patches.decompositions expects torch_xla to register an '
         f'{_KEY.name} kernel for {op}; found none. Supported: '
         f'{versions.supported_pairs_text()}.')
-  if _KEY in op.py_kernels:
+  foreign = torch_internals.python_kernel(op, _KEY)
+  if foreign is not None:
     raise RuntimeError(f'{op} already has a Python {_KEY.name} kernel '
-                       f'({op.py_kernels[_KEY]!r}); not overriding it.')
+                       f'({foreign!r}); not overriding it.')
 
 
 def install() -> None:
@@ -181,8 +185,7 @@ def install() -> None:
       _check_target(override.op)
     for override in OVERRIDES:
       kernel = override.make_kernel()
-      # py_impl clears the op's dispatch cache.
-      override.op.py_impl(_KEY)(kernel)
+      torch_internals.set_python_kernel(override.op, _KEY, kernel)
       _installed[override.op] = kernel
 
 
@@ -190,8 +193,7 @@ def uninstall() -> None:
   """Removes what install() installed. Safe to call more than once."""
   with _lock:
     for op, kernel in reversed(list(_installed.items())):
-      if op.py_kernels.get(_KEY) is kernel:
-        del op.py_kernels[_KEY]
-      # Cached dispatch decisions may still point at the removed kernel.
-      op._dispatch_cache.clear()
+      # Also clears the op's cached dispatch decisions, which may still point
+      # at the removed kernel.
+      torch_internals.remove_python_kernel(op, _KEY, kernel)
     _installed.clear()

@@ -1,20 +1,38 @@
-"""The private torch APIs save/load use, each reached through one function.
+"""The private torch APIs the package uses, each reached through one function.
 
 [Note: Private torch APIs]
-Saving a compiled model needs parts of torch that are not public: dynamo's
-`aot_compile` module and its artifact fields, the code-object wrapper of
-`torch._dynamo.package`, the backend registry's dict, and FX's graph pickler.
-Every use goes through this module. Each function imports what it needs when
-called and, if torch does not have it, raises `TorchInternalsError` naming the
-missing attribute and the torch version found; the torch releases that have
-each of them are listed in versions.py ([Note: Supported releases]).
+Every private torch API the package uses goes through this module: any name
+under `torch` with a leading underscore (`torch._dynamo`, `torch._C`,
+`torch._decomp`, an OpOverload's `_op_dk` and `_dispatch_cache`), and the
+internals around them that torch documents nowhere (the Python dispatcher's
+per-op kernels `py_kernels` and `py_impl`, dynamo's config flags, FX's
+ShapeEnv). The one exception is dynamo_bridge.py: it keeps upstream's own
+uses, spelled as upstream spells them, so the upstream diff stays small.
+test_torch_internals.py fails on a `torch._` use in any other module.
+
+A function that needs a torch module imports it when called and, if torch
+does not have the name, raises `TorchInternalsError` naming it and the torch
+version found; the torch releases that have each of them are listed in
+versions.py ([Note: Supported releases]). The module imports nothing from the
+package but `versions`.
 """
+import contextlib
+import functools
 import importlib
-from typing import Any, Dict, Tuple, Type
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Type
+
+from torch_xla_patches import versions
 
 
 class TorchInternalsError(RuntimeError):
   """A private torch API this package needs is missing."""
+
+
+def _missing(what: str) -> TorchInternalsError:
+  return TorchInternalsError(
+      f'torch_xla_patches: {what} is missing from torch '
+      f'{versions.runtime_versions().torch}; torch_xla_patches needs the torch '
+      'releases listed in torch_xla_patches/versions.py.')
 
 
 def _attribute(module_name: str, name: str) -> Any:
@@ -22,11 +40,16 @@ def _attribute(module_name: str, name: str) -> Any:
     module = importlib.import_module(module_name)
     return getattr(module, name)
   except (ImportError, AttributeError):
-    import torch
-    raise TorchInternalsError(
-        f'torch_xla_patches: {module_name}.{name} is missing from torch '
-        f'{torch.__version__}; saving and loading compiled models needs the '
-        'torch releases listed in torch_xla_patches/versions.py.') from None
+    raise _missing(f'{module_name}.{name}') from None
+
+
+def _config(module_name: str, flags: Sequence[str]) -> Any:
+  """The config module `module_name`, which must have every flag in `flags`."""
+  module = importlib.import_module(module_name)
+  for flag in flags:
+    if not hasattr(module, flag):
+      raise _missing(f'the config flag {module_name}.{flag}')
+  return module
 
 
 def serializable_callable_base() -> Type:
@@ -75,20 +98,87 @@ def capture_settings(dynamic: bool, size_oblivious: bool):
   """A context manager with the dynamo and FX settings aot_compile captures
   under: aot_compile enabled, every size symbolic (`dynamic`), and symbolic
   sizes guarded as `0 <= size` rather than `2 <= size` (`size_oblivious`)."""
-  import contextlib
-  import torch._dynamo
-  fx_config = importlib.import_module('torch.fx.experimental._config')
-  for owner, name in ((torch._dynamo.config, 'enable_aot_compile'),
-                      (fx_config, 'backed_size_oblivious')):
-    if not hasattr(owner, name):
-      import torch
-      raise TorchInternalsError(
-          f'torch_xla_patches: the config flag {name} is missing from torch '
-          f'{torch.__version__}.')
+  dynamo_config = _config('torch._dynamo.config', ('enable_aot_compile',))
+  fx_config = _config('torch.fx.experimental._config',
+                      ('backed_size_oblivious',))
   dynamo_settings = {'enable_aot_compile': True}
   if dynamic:
     dynamo_settings['assume_static_by_default'] = False
   stack = contextlib.ExitStack()
-  stack.enter_context(torch._dynamo.config.patch(**dynamo_settings))
+  stack.enter_context(dynamo_config.patch(**dynamo_settings))
   stack.enter_context(fx_config.patch(backed_size_oblivious=size_oblivious))
   return stack
+
+
+def unwrapped_module(model: Any) -> Any:
+  """The module torch.compile wrapped, if `model` is dynamo's
+  OptimizedModule; else `model` itself."""
+  optimized_module = _attribute('torch._dynamo.eval_frame', 'OptimizedModule')
+  if isinstance(model, optimized_module):
+    return model._orig_mod
+  return model
+
+
+def graph_loading_fake_mode() -> Any:
+  """A FakeTensorMode with a ShapeEnv of its own, to rebuild the fake values
+  (and their symbolic sizes) of a pickled FX graph in."""
+  fake_tensor_mode = _attribute('torch._subclasses.fake_tensor',
+                                'FakeTensorMode')
+  shape_env = _attribute('torch.fx.experimental.symbolic_shapes', 'ShapeEnv')
+  return fake_tensor_mode(shape_env=shape_env())
+
+
+def dynamo_config(*flags: str) -> Any:
+  """torch._dynamo.config, which apply() sets `flags` on; refuses, naming the
+  flag, if one is missing."""
+  return _config('torch._dynamo.config', flags)
+
+
+# The Python dispatcher: see [Note: Scoping the decompositions to symbolic
+# inputs] in decompositions.py.
+
+
+def autograd_xla_key() -> Any:
+  """The dispatch key torch_xla registers its autograd kernels under."""
+  return _attribute('torch._C', 'DispatchKey').AutogradXLA
+
+
+def has_cpp_kernel(op: Any, key: Any) -> bool:
+  """Whether the C++ dispatch table has a kernel of `op` (an OpOverload) for
+  `key`."""
+  has_kernel = _attribute('torch._C', '_dispatch_has_kernel_for_dispatch_key')
+  return has_kernel(op.name(), key)
+
+
+def cpp_kernel(op: Any, key: Any) -> Callable[..., Any]:
+  """Calls `op`'s C++ kernel for `key`, bypassing any Python kernel."""
+  return functools.partial(op._op_dk, key)
+
+
+def python_kernel(op: Any, key: Any) -> Optional[Callable[..., Any]]:
+  """The Python-dispatcher kernel of `op` for `key`, or None."""
+  return op.py_kernels.get(key)
+
+
+def set_python_kernel(op: Any, key: Any, kernel: Callable[..., Any]) -> None:
+  """Makes `kernel` the Python-dispatcher kernel of `op` for `key`."""
+  # py_impl also clears the op's dispatch cache.
+  op.py_impl(key)(kernel)
+
+
+def remove_python_kernel(op: Any, key: Any, kernel: Callable[..., Any]) -> None:
+  """Removes `kernel` if it is `op`'s Python-dispatcher kernel for `key`, and
+  clears the op's dispatch cache, whose decisions may still point at it."""
+  if op.py_kernels.get(key) is kernel:
+    del op.py_kernels[key]
+  op._dispatch_cache.clear()
+
+
+def decomposition(op: Any) -> Callable[..., Any]:
+  """torch's registered decomposition of `op` into other aten ops."""
+  return _attribute('torch._decomp', 'decomposition_table')[op]
+
+
+def has_symbolic_sizes_strides(tensor: Any) -> bool:
+  """Whether a size or stride of `tensor` is symbolic (a SymInt)."""
+  return tensor._has_symbolic_sizes_strides
