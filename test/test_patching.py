@@ -127,8 +127,27 @@ def test_registry_restores_missing_attribute_by_deleting_it():
   registry.set(Holder, 'added', 1)
   registry.set(Holder, 'added', 2)
   assert Holder.added == 2
-  assert registry.revert_all() == ['Holder.added']
+  registry.revert_all()
   assert not hasattr(Holder, 'added')
+  assert len(registry) == 0
+
+
+def test_registry_restores_each_original_once():
+
+  class Holder:
+    first = 'a'
+
+  registry = _patching.PatchRegistry()
+  registry.set(Holder, 'first', 'b')
+  registry.set(Holder, 'second', 'c')
+  registry.set(Holder, 'first', 'd')
+  assert registry.original(Holder, 'first') == 'a'
+  registry.revert_all()
+  assert Holder.first == 'a'
+  assert not hasattr(Holder, 'second')
+  assert len(registry) == 0
+  registry.revert_all()  # nothing left to restore
+  assert Holder.first == 'a'
 
 
 if __name__ == '__main__':

@@ -7,7 +7,7 @@ revert() restores originals in the reverse order of first patching.
 """
 import dataclasses
 import inspect
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 _MISSING = object()
 
@@ -48,20 +48,14 @@ class PatchRegistry:
       return getattr(owner, name)
     return entry[1]
 
-  def is_patched(self, owner: Any, name: str) -> bool:
-    return (id(owner), name) in self._originals
-
-  def revert_all(self) -> List[str]:
-    restored = []
+  def revert_all(self) -> None:
     for target, original in reversed(list(self._originals.values())):
       if original is _MISSING:
         if hasattr(target.owner, target.name):
           delattr(target.owner, target.name)
       else:
         setattr(target.owner, target.name, original)
-      restored.append(target.describe())
     self._originals.clear()
-    return restored
 
   def __len__(self) -> int:
     return len(self._originals)
