@@ -100,13 +100,27 @@ def _layer_norm_dynamic(device):
 
 def test_uninstall_restores_upstream_behaviour(uninstalled):
   device = torch_xla.device()
+  ops = [o.op for o in decompositions.OVERRIDES]
   decompositions.install()
+  kernels = {op: op.py_kernels[KEY] for op in ops}
   _layer_norm_dynamic(device)
   assert decompositions.calls()['aten::native_layer_norm']['symbolic'] > 0
+  # Calls with the Python dispatcher on cache every op's dispatch decision:
+  # the installed kernel.
+  for name in sorted(MODULES):
+    _lazy_ir(name, python_dispatcher=True)
+  assert all(op._dispatch_cache.get(KEY) is kernels[op] for op in ops)
   decompositions.uninstall()
+  decompositions.reset_calls()
+  # Now the same calls reach torch_xla's kernels, not the removed ones (which
+  # a stale dispatch cache would still call).
+  for name in sorted(MODULES):
+    _lazy_ir(name, python_dispatcher=True)
+  assert decompositions.calls() == {}
   # The upstream failure this module exists for is back.
   with pytest.raises(Exception, match='numel'):
     _layer_norm_dynamic(device)
+  assert decompositions.calls() == {}
 
 
 def _lazy_ir(name: str, python_dispatcher: bool):

@@ -350,8 +350,16 @@ def test_damaged_recorded_signatures_are_skipped(artifact, tmp_path):
     assert reason in line, line
 
 
-@pytest.mark.parametrize('damage',
-                         ['truncated', 'flipped', 'not_artifact', 'bad_header'])
+# Each kind of damage and the check that must catch it (artifact.read_header).
+DAMAGE_MESSAGES = {
+    'truncated': 'is truncated or padded: payload of ',
+    'flipped': 'is corrupt: payload SHA-256 ',
+    'not_artifact': 'is not a torch_xla_patches artifact (no magic line)',
+    'bad_header': 'has a malformed header: ',
+}
+
+
+@pytest.mark.parametrize('damage', sorted(DAMAGE_MESSAGES))
 def test_damaged_file_is_refused(artifact, tmp_path, damage):
   _, path = artifact
   with open(path, 'rb') as f:
@@ -368,5 +376,8 @@ def test_damaged_file_is_refused(artifact, tmp_path, damage):
   broken = str(tmp_path / 'broken.xla_aot')
   with open(broken, 'wb') as f:
     f.write(data)
-  with pytest.raises(serialization.ArtifactCorruptError):
+  with pytest.raises(serialization.ArtifactCorruptError) as info:
     serialization.load(broken, model=torch.nn.Linear(8, 16))
+  assert str(info.value).startswith('torch_xla_patches: ')
+  assert broken in str(info.value)
+  assert DAMAGE_MESSAGES[damage] in str(info.value)
