@@ -160,16 +160,16 @@ class Backlog:
 
   # -- draining
 
-  def drain_for_first_call(self) -> Optional[BacklogReport]:
+  def drain_for_first_call(self) -> None:
     """In 'sync' mode, compiles what the first call's budget allows; the
     budget opens on the first drain and is shared until that call is
     served (after_served_call)."""
     if config.precompile_mode != 'sync' or self._first_call_served:
-      return None
+      return
     if self._first_call_budget is None:
       self._first_call_budget = _Budget.of(config.replay_sync_max_signatures,
                                            config.replay_sync_seconds)
-    return self._drain(self._first_call_budget)
+    self._drain(self._first_call_budget)
 
   def after_served_call(self) -> None:
     """Compiles one queued signature after a served call ('sync' after the

@@ -454,19 +454,17 @@ class SignatureCache:
     return len(self.backlog)
 
   def queue_recorded(self, records: Sequence[record.RecordedSignature],
-                     live_args: Sequence[Any]) -> int:
+                     live_args: Sequence[Any]) -> None:
     """Queues recorded signatures (see [Note: Replaying recorded
     signatures]) and, in 'sync' mode before the first call is served,
-    compiles what that call's budget still allows; returns how many were
-    queued."""
-    queued = self.backlog.queue(records, live_args)
+    compiles what that call's budget still allows."""
+    self.backlog.queue(records, live_args)
     self.backlog.drain_for_first_call()
-    return queued
 
-  def queue_index_records(self, live_args: Sequence[Any]) -> int:
+  def queue_index_records(self, live_args: Sequence[Any]) -> None:
     """Queues what the signature index recorded for this graph."""
     if self.usage is None:
-      return 0
+      return
     index = self.usage.index
     contents = index.load()
     for problem in contents.problems:
@@ -474,7 +472,7 @@ class SignatureCache:
     if not contents.records and config.explain_cache:
       logger.info('[torch_xla_patches] no recorded signatures for graph %s: %s',
                   index.fingerprint.key, index.explain_miss())
-    return self.queue_recorded(contents.records, live_args)
+    self.queue_recorded(contents.records, live_args)
 
   def drain_backlog(self) -> int:
     """Compiles every queued signature now; returns how many compiled."""
