@@ -62,7 +62,7 @@ REMOVED = {
     'Deduper': 'OutputPlan replaces it',
     'SpecialReturnHandler': 'OutputPlan replaces it',
     'is_xla_tensor': 'only replaced code called it',
-    '_clear_pending_irs_on_args': '_PendingRestore replaces it',
+    '_clear_pending_irs_on_args': 'pending_ir_restored replaces it',
 }
 
 # Lines a PR author should reword: names and variables of the patch set,

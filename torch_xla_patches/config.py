@@ -163,7 +163,7 @@ install_decompositions = _flag('install_decompositions',
                                BOOL,
                                changes_program=True)
 
-# Directory of the persistent signature index (see persistent.py); None: off.
+# Directory of the signature index (see signature_index.py); None: off.
 cache_dir = _flag('cache_dir',
                   'XLA_PATCHES_CACHE_DIR',
                   None,
