@@ -40,6 +40,8 @@ def test_one_trace_one_compile_per_signature():
       'DynamoEvictedRetrace': 0,
       'DynamoSignatureDropped': 0,
       'DynamoCpuFallbackPartition': 0,
+      'DynamoSignaturePrecompiled': 0,
+      'DynamoSignaturePrecompileSkipped': 0,
       'UncachedCompile': 3,
   }
   assert met.metric_data('CompileTime')[0] == 3
@@ -84,6 +86,8 @@ def test_symint_and_tensor_outputs():
       'DynamoEvictedRetrace': 0,
       'DynamoSignatureDropped': 0,
       'DynamoCpuFallbackPartition': 0,
+      'DynamoSignaturePrecompiled': 0,
+      'DynamoSignaturePrecompileSkipped': 0,
       'UncachedCompile': 2,
   }
 

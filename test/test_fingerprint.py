@@ -112,7 +112,8 @@ def test_versions_and_devices_are_parts():
 
 
 def test_version_parts_are_the_runtime_versions(monkeypatch):
-  # fingerprint.py reads them itself; see [Note: Runtime versions].
+  # One reading for fingerprint, artifact and release check; see [Note:
+  # Runtime versions].
   import platform
   import torch_xla
   monkeypatch.setattr(torch, '__version__', '2.9.0+test')

@@ -20,8 +20,10 @@ import torch_xla_patches
 
 # Bottom first.
 LAYERS = (
-    ('foundation',
-     {'versions', 'config', '_patching', 'io_utils', 'torch_internals'}),
+    ('foundation', {
+        'runtime', 'versions', 'config', '_patching', 'io_utils',
+        'torch_internals'
+    }),
     # What each graph input is, and the per-call key.
     ('signature', {'signature'}),
     # What is kept on disk: records (index and artifact alike), the index,

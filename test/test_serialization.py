@@ -381,3 +381,71 @@ def test_damaged_file_is_refused(artifact, tmp_path, damage):
   assert str(info.value).startswith('torch_xla_patches: ')
   assert broken in str(info.value)
   assert DAMAGE_MESSAGES[damage] in str(info.value)
+
+
+INDEX_AND_ARTIFACT_SAVE = '''
+import sys
+sys.path.insert(0, {model_dir!r})
+import torch, torch_xla
+import torch_xla_patches
+from torch_xla_patches import serialization
+from tiny_model import TinyNet
+torch_xla_patches.apply(cache_dir={cache_dir!r})
+device = torch_xla.device()
+model = TinyNet().to(device).eval()
+compiled = serialization.aot_compile(model, (torch.randn(3, 8).to(device),))
+for batch in (3, 5, 7, 9, 11):
+  compiled(torch.randn(batch, 8).to(device)).cpu()
+torch_xla_patches.save(compiled, {path!r})
+'''
+
+INDEX_AND_ARTIFACT_LOAD = '''
+import sys
+sys.path.insert(0, {model_dir!r})
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla_patches
+from tiny_model import TinyNet
+torch_xla_patches.apply(cache_dir={cache_dir!r})
+device = torch_xla.device()
+torch.manual_seed(1)
+cpu_model = TinyNet().eval()
+model = TinyNet().to(device).eval()
+model.load_state_dict(cpu_model.state_dict())
+loaded = torch_xla_patches.load({path!r}, model=model, precompile=False)
+for batch in (4, 6):
+  x = torch.randn(batch, 8)
+  with torch.no_grad():
+    expected = cpu_model(x)
+  torch.testing.assert_close(loaded(x.to(device)).cpu(), expected,
+                             rtol=1e-4, atol=1e-4)
+  print('after', batch, met.counter_value('DynamoSignaturePrecompiled') or 0,
+        met.counter_value('DynamoSignaturePrecompileSkipped') or 0,
+        met.counter_value('DynamoSignatureMiss') or 0, flush=True)
+'''
+
+
+def test_index_and_artifact_share_one_first_call_budget(artifact, tmp_path):
+  """A restart with both a signature index and an artifact (the same five
+  signatures in each) waits for one synchronous budget, not one per
+  source: with XLA_PATCHES_REPLAY_SYNC_MAX=2 the first call returns after
+  its own compile and 2 replayed ones; each later call replays one more."""
+  model_dir, _ = artifact
+  cache_dir = str(tmp_path / 'cache')
+  path = str(tmp_path / 'indexed.xla_aot')
+  proc = run_python(
+      INDEX_AND_ARTIFACT_SAVE.format(model_dir=model_dir,
+                                     cache_dir=cache_dir,
+                                     path=path))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = run_python(INDEX_AND_ARTIFACT_LOAD.format(model_dir=model_dir,
+                                                   cache_dir=cache_dir,
+                                                   path=path),
+                    env={'XLA_PATCHES_REPLAY_SYNC_MAX': '2'})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # (batch, precompiled, skipped, misses) after each call.
+  rows = [[int(v)
+           for v in line.split()[1:]]
+          for line in proc.stdout.splitlines()
+          if line.startswith('after ')]
+  assert rows == [[4, 2, 0, 1], [6, 3, 0, 2]]

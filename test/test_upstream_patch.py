@@ -9,7 +9,7 @@ test_memory.py, about a minute on 2 cores. Left out:
   * test_dynamo_bridge.py::test_default_mode_goes_dynamic_on_second_shape
     checks apply()'s switch of dynamo's automatic dynamic shapes, which is
     not part of the bridge, so it cannot hold with apply() a no-op;
-  * test_persistent.py passes cache_dir to apply() (a no-op here);
+  * test_signature_index.py passes cache_dir to apply() (a no-op here);
   * test_spmd.py passes on the rendered bridge too, but costs another 15 s;
   * test_patching.py, test_decompositions.py, test_gpt2_dynamic.py and the
     module survey test apply() itself or the decompositions, not the bridge.

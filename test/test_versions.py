@@ -27,16 +27,16 @@ def test_runtime_versions_are_what_the_modules_report():
   assert found == versions.RuntimeVersions(torch=torch.__version__,
                                            torch_xla=torch_xla.__version__,
                                            python=platform.python_version())
-  assert found.release() == versions.ReleasePair(
+  assert versions.release_of(found) == versions.ReleasePair(
       torch=torch.__version__.split('+')[0],
       torch_xla=torch_xla.__version__.split('+')[0])
-  assert versions.installed() == found.release()
+  assert versions.installed() == versions.release_of(found)
 
 
 def test_release_drops_local_tags_only():
-  assert _found('2.9.0+cu128',
-                '2.9.0+git1a2b').release() == (versions.ReleasePair(
-                    torch='2.9.0', torch_xla='2.9.0'))
+  assert versions.release_of(_found('2.9.0+cu128',
+                                    '2.9.0+git1a2b')) == (versions.ReleasePair(
+                                        torch='2.9.0', torch_xla='2.9.0'))
 
 
 @pytest.mark.parametrize('pair',

@@ -56,10 +56,15 @@ def apply(*,
     persistent_executables: also call xr.initialize_cache(<cache_dir>/xla);
       must happen before the first XLA compile of the process.
   """
-  if precompile_mode is not None and precompile_mode not in (
-      config.PRECOMPILE_MODES):
-    raise ValueError(f'precompile_mode must be one of '
-                     f'{config.PRECOMPILE_MODES}, got {precompile_mode!r}')
+  flags = {
+      'automatic_dynamic_shapes': automatic_dynamic_shapes,
+      'cache_dir': None if cache_dir is None else os.fspath(cache_dir),
+      'precompile_mode': precompile_mode,
+      'persistent_executables': persistent_executables,
+  }
+  for name, value in flags.items():
+    if value is not None:
+      config.check(name, value)
   global _decompositions_installed
   import torch_xla
   import torch_xla._dynamo.dynamo_bridge as upstream_bridge
@@ -91,12 +96,7 @@ def apply(*,
     from torch_xla_patches import dynamo_bridge
     from torch_xla_patches import serialization
 
-    flags = {
-        'automatic_dynamic_shapes': automatic_dynamic_shapes,
-        'cache_dir': None if cache_dir is None else os.fspath(cache_dir),
-        'precompile_mode': precompile_mode,
-        'persistent_executables': persistent_executables,
-    }
+    flags['persistent_executables'] = persistent_executables
     for name, value in flags.items():
       if value is not None:
         _registry.set(config, name, value)

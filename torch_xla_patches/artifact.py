@@ -106,16 +106,6 @@ def version_fields() -> Dict[str, str]:
   }
 
 
-def runtime_versions() -> Dict[str, str]:
-  """Transitional, for serialization.save until it uses version_fields()."""
-  found = versions.runtime_versions()
-  return {
-      'torch': found.torch,
-      'torch_xla': found.torch_xla,
-      'Python': found.python
-  }
-
-
 class ClosurePickler(pickle.Pickler):
   """Pickles Python modules by name (a closure over `torch` is common)."""
 

@@ -19,12 +19,12 @@ compile time but can never run the wrong program.
 import dataclasses
 import hashlib
 import os
-import platform
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from torch_xla_patches import config
+from torch_xla_patches.runtime import runtime_versions
 from torch_xla_patches.signature import ArgLayout, placeholder_values
 
 
@@ -103,12 +103,12 @@ def _xla_flags() -> str:
 
 def runtime_parts() -> List[FingerprintPart]:
   """The parts that describe the process rather than the graph."""
-  import torch_xla
   import torch_xla.runtime as xr
+  found = runtime_versions()
   return [
-      FingerprintPart('torch_version', torch.__version__),
-      FingerprintPart('torch_xla_version', torch_xla.__version__),
-      FingerprintPart('python_version', platform.python_version()),
+      FingerprintPart('torch_version', found.torch),
+      FingerprintPart('torch_xla_version', found.torch_xla),
+      FingerprintPart('python_version', found.python),
       FingerprintPart('device_kind', str(xr.device_type())),
       FingerprintPart('device_count', str(xr.global_runtime_device_count())),
       FingerprintPart('xla_flags', _xla_flags()),

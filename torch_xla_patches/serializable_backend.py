@@ -52,13 +52,11 @@ def _pickle_graph(graph_module: torch.fx.GraphModule) -> bytes:
 
 
 def _unpickle_graph(data: bytes) -> torch.fx.GraphModule:
-  from torch._subclasses.fake_tensor import FakeTensorMode
   GraphPickler, _ = torch_internals.graph_pickler()
-  from torch.fx.experimental.symbolic_shapes import ShapeEnv
   # Fake values (and their symbolic sizes) are rebuilt in a mode of their
   # own; they are only read as metadata.
-  fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-  graph_module = GraphPickler.loads(data, fake_mode)
+  graph_module = GraphPickler.loads(data,
+                                    torch_internals.graph_loading_fake_mode())
   # The pickled module carries no generated forward; make it.
   graph_module.recompile()
   return graph_module

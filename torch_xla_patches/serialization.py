@@ -133,9 +133,7 @@ def aot_compile(model: Any,
       tensors, so a size of 1 is still computed as eager does.
   """
   require_torch_aot_compile('torch_xla_patches.serialization.aot_compile')
-  import torch._dynamo
-  if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-    model = model._orig_mod
+  model = torch_internals.unwrapped_module(model)
   bound = isinstance(model, torch.nn.Module)
   target = model.forward if bound else model
   # aot_compile captures outside torch.compile's own context, which is where
@@ -174,11 +172,8 @@ def save(compiled: Any,
     compiled = aot_compile(compiled, tuple(example_inputs))
   payload = artifact.serialize_aot(compiled.aot_fn)
   parts = source_digest.source_parts(compiled.model)
-  versions = artifact.runtime_versions()
   header = ArtifactHeader(format_version=artifact.FORMAT_VERSION,
-                          torch_version=versions['torch'],
-                          torch_xla_version=versions['torch_xla'],
-                          python_version=versions['Python'],
+                          **artifact.version_fields(),
                           model_name=source_digest.model_name(compiled.model),
                           model_source_digest=source_digest.digest(parts),
                           model_source_parts=parts,

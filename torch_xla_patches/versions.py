@@ -5,7 +5,7 @@ torch_xla 2.9.0 is the last release of torch_xla; the users left run 2.9.0 or
 2.8.x, each with the torch release it was built against. Everything that
 depends on which of them is installed lives here:
   * runtime_versions(), the torch, torch_xla and Python versions of this
-    process (see [Note: Runtime versions]);
+    process (read in runtime.py, see [Note: Runtime versions]);
   * SUPPORTED_PAIRS, the (torch, torch_xla) pairs apply() accepts, and
     check_supported(), which refuses any other pair;
   * feature tests (has_torch_aot_compile()) and require_*() helpers that
@@ -35,8 +35,11 @@ What differs between the supported releases, as far as the patch goes:
 """
 import dataclasses
 import importlib.util
-import platform
 from typing import Optional
+
+# The one reading of the versions (see [Note: Runtime versions]); re-exported
+# here for the modules that check releases.
+from torch_xla_patches.runtime import RuntimeVersions, runtime_versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,47 +79,16 @@ def base_version(version: str) -> str:
   return version.split('+')[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class RuntimeVersions:
-  """The versions of this process, as the modules report them.
-
-  [Note: Runtime versions]
-  runtime_versions() is where the package reads torch.__version__,
-  torch_xla.__version__ and the Python version: for the supported-release
-  check (check_supported) and the artifact header (artifact.version_fields).
-  The modules rendered into the upstream pull request (fingerprint.py and the
-  others the bridge imports) read them themselves, because importing this
-  module would put it in the pull request too; fingerprint.runtime_parts
-  records the same three strings, which test_fingerprint.py checks. The fields
-  keep local build tags ('2.9.0+cu128'): an index entry or an artifact names
-  exactly what ran. release() drops them for the release checks, where
-  '+cu128' and '+cpu' are the same release.
-  """
-  # torch.__version__, e.g. '2.9.0+cu128'.
-  torch: str
-  # torch_xla.__version__, e.g. '2.9.0'.
-  torch_xla: str
-  # platform.python_version(), e.g. '3.11.9'.
-  python: str
-
-  def release(self) -> ReleasePair:
-    """The torch and torch_xla releases, local build tags dropped."""
-    return ReleasePair(torch=base_version(self.torch),
-                       torch_xla=base_version(self.torch_xla))
-
-
-def runtime_versions() -> RuntimeVersions:
-  """The versions of this process; see [Note: Runtime versions]."""
-  import torch
-  import torch_xla
-  return RuntimeVersions(torch=torch.__version__,
-                         torch_xla=torch_xla.__version__,
-                         python=platform.python_version())
+def release_of(found: RuntimeVersions) -> ReleasePair:
+  """The torch and torch_xla releases of `found`, local build tags dropped
+  ('+cu128' and '+cpu' builds are the same release)."""
+  return ReleasePair(torch=base_version(found.torch),
+                     torch_xla=base_version(found.torch_xla))
 
 
 def installed() -> ReleasePair:
   """The torch and torch_xla releases of this process, local tags dropped."""
-  return runtime_versions().release()
+  return release_of(runtime_versions())
 
 
 def supported_pairs_text() -> str:
@@ -131,7 +103,7 @@ def check_supported(found: Optional[RuntimeVersions] = None) -> None:
       (runtime_versions()).
   """
   found = found or runtime_versions()
-  release = found.release()
+  release = release_of(found)
   if release in SUPPORTED_PAIRS:
     return
   # Name the release that is wrong: torch_xla if no pair has it, else torch.
