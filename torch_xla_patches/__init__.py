@@ -142,6 +142,32 @@ def precompile(compiled_fn, specs, progress: bool = True):
   return warmup.precompile(compiled_fn, specs, progress=progress)
 
 
+def serve(model, signatures, *, cache_dir: Optional[str] = None):
+  """Compiles `model` for its serving buckets and returns a callable that
+  serves it; see [Note: Serving restarts] in serving.py.
+
+  Args:
+    model: an nn.Module on the XLA device, for inference (calls run under
+      torch.no_grad()).
+    signatures: the serving buckets: an iterable of tuples of TensorSpec,
+      one per positional argument of model.forward, all of one dtype and
+      rank per position. serve() returns once every bucket is compiled;
+      other shapes are compiled when a call needs them.
+    cache_dir: where the artifact (and, unless apply() was given another
+      directory, the signature index) is kept across restarts; default
+      XLA_PATCHES_CACHE_DIR. None: nothing is kept.
+  Returns:
+    A serving.ServedModel: served(*tensors) returns what model(*tensors)
+    returns.
+  """
+  apply()
+  if cache_dir is not None and not config.cache_dir:
+    with _lock:
+      _registry.set(config, 'cache_dir', os.fspath(cache_dir))
+  from torch_xla_patches import serving
+  return serving.serve(model, signatures, cache_dir=cache_dir)
+
+
 def save(compiled, path, example_inputs=None):
   """See torch_xla_patches.serialization.save."""
   from torch_xla_patches import serialization

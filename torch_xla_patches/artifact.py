@@ -172,8 +172,8 @@ def write(path: str, header: ArtifactHeader, payload: bytes) -> None:
 def read_header(path: str) -> Tuple[ArtifactHeader, bytes]:
   """The header and the verified payload; ArtifactCorruptError if unusable."""
   try:
-    with open(path, 'rb') as f:
-      data = f.read()
+    # See [Note: Reading a cache directory never blocks].
+    data = io_utils.read_regular_file(path)
   except OSError as e:
     raise ArtifactError(f'torch_xla_patches: cannot read artifact {path}: '
                         f'{e}') from None

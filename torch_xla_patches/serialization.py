@@ -33,7 +33,7 @@ import hashlib
 import logging
 import os
 import pickle
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,8 +58,8 @@ logger = logging.getLogger('torch_xla_patches.serialization')
 __all__ = [
     'ArtifactCorruptError', 'ArtifactError', 'ArtifactMismatchError',
     'BACKEND_NAME', 'CompiledModel', 'XlaSerializableCallable', 'aot_compile',
-    'load', 'openxla_serializable', 'read_header', 'register_backend', 'save',
-    'unregister_backend'
+    'check', 'load', 'openxla_serializable', 'read_header', 'register_backend',
+    'save', 'unregister_backend'
 ]
 
 
@@ -203,6 +203,25 @@ def _check_source(header: ArtifactHeader, model: Any) -> None:
       f'Differing: {details}. Save the artifact again from this source.')
 
 
+def _read_checked(path: str, model: Any) -> Tuple[ArtifactHeader, bytes]:
+  header, payload = read_header(path)
+  header.check_runtime()
+  _check_source(header, model)
+  if header.bound_method != isinstance(model, torch.nn.Module):
+    raise ArtifactMismatchError(
+        f'torch_xla_patches: the artifact was saved for '
+        f'{"a module" if header.bound_method else "a function"}, load got '
+        f'{type(model).__name__}')
+  return header, payload
+
+
+def check(path: str, model: Any) -> None:
+  """Raises what `load(path, model=model)` would raise for the file's header
+  (ArtifactCorruptError, ArtifactMismatchError naming what differs), without
+  unpickling anything."""
+  _read_checked(os.fspath(path), model)
+
+
 def load(path: str,
          model: Any = None,
          precompile: bool = True) -> CompiledModel:
@@ -219,17 +238,10 @@ def load(path: str,
     ArtifactCorruptError, ArtifactMismatchError.
   """
   require_torch_aot_compile('torch_xla_patches.load')
-  header, payload = read_header(os.fspath(path))
-  header.check_runtime()
   if model is None:
     raise TypeError('torch_xla_patches.load needs model=: the saved graph '
                     'takes the parameters, or the function, from it')
-  _check_source(header, model)
-  if header.bound_method != isinstance(model, torch.nn.Module):
-    raise ArtifactMismatchError(
-        f'torch_xla_patches: the artifact was saved for '
-        f'{"a module" if header.bound_method else "a function"}, load got '
-        f'{type(model).__name__}')
+  header, payload = _read_checked(os.fspath(path), model)
   try:
     aot_fn = artifact.deserialize_aot(payload)
   except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:

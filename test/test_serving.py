@@ -1,0 +1,264 @@
+"""serve(): every bucket compiled before it returns, results equal eager in
+and outside the buckets, restarts that skip dynamo, and a cache directory
+that can never fail a call."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+
+import torch_xla_patches
+from torch_xla_patches import TensorSpec
+from bridge_testing import REPO_ROOT, counters, run_python
+
+
+class TinyLM(torch.nn.Module):
+
+  def __init__(self, width=16):
+    super().__init__()
+    self.embed = torch.nn.Embedding(64, width)
+    self.norm = torch.nn.LayerNorm(width)
+    self.proj = torch.nn.Linear(width, width)
+
+  def forward(self, tokens):
+    x = self.norm(self.embed(tokens))
+    return self.proj(torch.relu(x)).sum(dim=1)
+
+
+BUCKETS = [(TensorSpec((b, s), torch.long),) for b in (2, 4) for s in (8, 16)]
+
+
+def models(width):
+  torch.manual_seed(0)
+  cpu = TinyLM(width).eval()
+  model = TinyLM(width).to(torch_xla.device()).eval()
+  model.load_state_dict(cpu.state_dict())
+  return cpu, model
+
+
+def check_against_eager(served, cpu, shapes):
+  for batch, seq in shapes:
+    tokens = torch.randint(0, 64, (batch, seq))
+    with torch.no_grad():
+      expected = cpu(tokens)
+    torch.testing.assert_close(served(tokens.to(torch_xla.device())).cpu(),
+                               expected,
+                               rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_serve_compiles_every_bucket_before_it_returns(patched_bridge):
+  cpu, model = models(width=24)
+  served = torch_xla_patches.serve(model, BUCKETS)
+  after_serve = counters()
+  assert after_serve['DynamoSignatureMiss'] == len(BUCKETS)
+  assert after_serve['UncachedCompile'] == len(BUCKETS)
+  check_against_eager(served, cpu, [(2, 8), (4, 16), (2, 16), (4, 8)])
+  # Every bucket is a hit now.
+  assert counters()['DynamoSignatureMiss'] == len(BUCKETS)
+  # A shape outside the buckets is compiled on demand.
+  check_against_eager(served, cpu, [(3, 5)])
+  assert counters()['DynamoSignatureMiss'] == len(BUCKETS) + 1
+
+
+def test_serve_refuses_what_it_cannot_serve(patched_bridge):
+  _, model = models(width=8)
+  with pytest.raises(ValueError, match='signatures is empty'):
+    torch_xla_patches.serve(model, [])
+  with pytest.raises(TypeError,
+                     match='signature 0, argument 0 is Tensor, expected a '
+                     'TensorSpec'):
+    torch_xla_patches.serve(model, [(torch.zeros(2, 8),)])
+  with pytest.raises(ValueError,
+                     match=r'signature 1 has arguments int32\[rank 2\], '
+                     r'signature 0 int64\[rank 2\]'):
+    torch_xla_patches.serve(model, [(TensorSpec((2, 8), torch.long),),
+                                    (TensorSpec((2, 8), torch.int32),)])
+  with pytest.raises(ValueError, match='embed.weight is on cpu'):
+    torch_xla_patches.serve(TinyLM(8), BUCKETS)
+
+
+MODEL_SOURCE = '''
+import torch
+
+
+class ServedLM(torch.nn.Module):
+
+  def __init__(self):
+    super().__init__()
+    self.embed = torch.nn.Embedding(64, 16)
+    self.norm = torch.nn.LayerNorm(16)
+    self.proj = torch.nn.Linear(16, 16)
+
+  def forward(self, tokens):
+    return self.proj(torch.relu(self.norm(self.embed(tokens)))).sum(dim=1)
+'''
+
+SERVE_SCRIPT = '''
+import json, sys
+sys.path.insert(0, {model_dir!r})
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla_patches
+from torch._dynamo.utils import counters
+from torch_xla_patches import TensorSpec
+from served_lm import ServedLM
+device = torch_xla.device()
+torch.manual_seed(0)
+cpu = ServedLM().eval()
+model = ServedLM().to(device).eval()
+model.load_state_dict(cpu.state_dict())
+buckets = [(TensorSpec((b, s), torch.long),) for b in (2, 4) for s in (8, 16)]
+served = torch_xla_patches.serve(model, buckets, cache_dir={cache_dir!r})
+report = dict(loaded=served.loaded,
+              frames=counters['stats']['unique_graphs'],
+              compiles=met.metric_data('CompileTime')[0])
+for b, s in [(2, 8), (4, 16), (3, 5)]:
+  x = torch.randint(0, 64, (b, s))
+  with torch.no_grad():
+    expected = cpu(x)
+  torch.testing.assert_close(served(x.to(device)).cpu(), expected,
+                             rtol=1e-4, atol=1e-4)
+report['frames_after_calls'] = counters['stats']['unique_graphs']
+print(json.dumps(report), flush=True)
+'''
+
+
+def write_model(directory, source=MODEL_SOURCE):
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, 'served_lm.py'), 'w') as f:
+    f.write(source)
+  return str(directory)
+
+
+def serve_script(model_dir, cache_dir):
+  return SERVE_SCRIPT.format(model_dir=model_dir, cache_dir=cache_dir)
+
+
+def serve_in_process(model_dir, cache_dir):
+  """(report, stderr) of a fresh process that serves the model."""
+  proc = run_python(serve_script(model_dir, cache_dir))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def artifacts(cache_dir):
+  return sorted(os.listdir(os.path.join(cache_dir, 'serve')))
+
+
+def tracing_lines(stderr):
+  return [
+      line for line in stderr.splitlines()
+      if line.startswith('torch_xla_patches.serve: tracing ServedLM')
+  ]
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_restart_loads_the_artifact_and_makes_no_dynamo_frame(tmp_path):
+  model_dir = write_model(tmp_path / 'model')
+  cache_dir = str(tmp_path / 'cache')
+  first, stderr = serve_in_process(model_dir, cache_dir)
+  assert (first['loaded'], first['frames']) == (False, 1)
+  assert first['compiles'] == 4
+  (line,) = tracing_lines(stderr)
+  assert line.endswith('(no artifact of this model yet)')
+  (name,) = artifacts(cache_dir)
+  assert name.startswith('ServedLM-') and name.endswith('.xla_aot')
+  restart, stderr = serve_in_process(model_dir, cache_dir)
+  # No dynamo frame, before or after the calls (3x5 was recorded by the
+  # first process and compiled during serve() too).
+  assert (restart['loaded'], restart['frames'],
+          restart['frames_after_calls']) == (True, 0, 0)
+  assert restart['compiles'] == 5
+  assert not tracing_lines(stderr)
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_an_edited_model_or_a_damaged_artifact_traces_again_with_the_reason(
+    tmp_path):
+  model_dir = write_model(tmp_path / 'model')
+  cache_dir = str(tmp_path / 'cache')
+  serve_in_process(model_dir, cache_dir)
+  (original,) = artifacts(cache_dir)
+  # Edited source: another key, the old artifact named as the closest.
+  write_model(model_dir, MODEL_SOURCE.replace('.sum(dim=1)', '.sum(dim=-1)'))
+  edited, stderr = serve_in_process(model_dir, cache_dir)
+  assert (edited['loaded'], edited['frames']) == (False, 1)
+  (line,) = tracing_lines(stderr)
+  assert f'none matches; {original}: torch_xla_patches: the model source ' \
+         'differs' in line and 'served_lm.ServedLM: expected' in line, line
+  assert len(artifacts(cache_dir)) == 2
+  # A damaged artifact: traced again, and replaced by a good one.
+  write_model(model_dir)
+  path = os.path.join(cache_dir, 'serve', original)
+  with open(path, 'r+b') as f:
+    f.truncate(os.path.getsize(path) - 100)
+  damaged, stderr = serve_in_process(model_dir, cache_dir)
+  assert (damaged['loaded'], damaged['frames']) == (False, 1)
+  (line,) = tracing_lines(stderr)
+  assert 'is truncated or padded' in line, line
+  repaired, _ = serve_in_process(model_dir, cache_dir)
+  assert (repaired['loaded'], repaired['frames']) == (True, 0)
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_fifo_in_place_of_the_artifact_never_stalls_serve(tmp_path):
+  model_dir = write_model(tmp_path / 'model')
+  cache_dir = str(tmp_path / 'cache')
+  serve_in_process(model_dir, cache_dir)
+  (name,) = artifacts(cache_dir)
+  path = os.path.join(cache_dir, 'serve', name)
+  os.unlink(path)
+  os.mkfifo(path)
+  report, stderr = serve_in_process(model_dir, cache_dir)
+  assert (report['loaded'], report['frames']) == (False, 1)
+  (line,) = tracing_lines(stderr)
+  assert 'not a regular file (a FIFO)' in line, line
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_two_processes_writing_one_cache_directory(tmp_path):
+  model_dir = write_model(tmp_path / 'model')
+  cache_dir = str(tmp_path / 'cache')
+  env = dict(os.environ, PJRT_DEVICE='CPU', PYTHONPATH=REPO_ROOT)
+  procs = [
+      subprocess.Popen(
+          [sys.executable, '-c',
+           serve_script(model_dir, cache_dir)],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True) for _ in range(2)
+  ]
+  for proc in procs:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])['loaded'] is False
+  assert len(artifacts(cache_dir)) == 1
+  assert not [
+      f for f in os.listdir(os.path.join(cache_dir, 'serve'))
+      if f.startswith('.tmp')
+  ]
+  report, _ = serve_in_process(model_dir, cache_dir)
+  assert (report['loaded'], report['frames']) == (True, 0)
+
+
+@pytest.mark.requires('no_torch_aot_compile')
+def test_without_aot_compile_serve_uses_torch_compile_and_says_so(
+    patched_bridge, caplog):
+  cpu, model = models(width=20)
+  with caplog.at_level(logging.INFO, logger='torch_xla_patches'):
+    served = torch_xla_patches.serve(model, BUCKETS)
+    torch_xla_patches.serve(model, BUCKETS)
+  lines = [
+      r.getMessage() for r in caplog.records if 'aot_compile' in r.getMessage()
+  ]
+  assert len(lines) == 1 and 'every restart traces the model with dynamo ' \
+      'again' in lines[0], lines
+  assert served.loaded is False and served.artifact is None
+  check_against_eager(served, cpu, [(2, 8), (4, 16), (3, 5)])
