@@ -249,16 +249,26 @@ def test_two_processes_writing_one_cache_directory(tmp_path):
 
 
 @pytest.mark.requires('no_torch_aot_compile')
-def test_without_aot_compile_serve_uses_torch_compile_and_says_so(
-    patched_bridge, caplog):
-  cpu, model = models(width=20)
-  with caplog.at_level(logging.INFO, logger='torch_xla_patches'):
-    served = torch_xla_patches.serve(model, BUCKETS)
-    torch_xla_patches.serve(model, BUCKETS)
-  lines = [
-      r.getMessage() for r in caplog.records if 'aot_compile' in r.getMessage()
+def test_without_aot_compile_serve_uses_torch_compile_and_says_so_once(
+    tmp_path):
+  model_dir = write_model(tmp_path / 'model')
+  cache_dir = str(tmp_path / 'cache')
+  script = serve_script(model_dir, cache_dir)
+  # Serving twice in one process says it once.
+  proc = run_python(script + script.split('device = torch_xla.device()')[1])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = [line for line in proc.stderr.splitlines() if 'aot_compile' in line]
+  assert len(lines) == 1 and ('has no aot_compile, so every restart traces '
+                              'the model with dynamo again') in lines[0], lines
+  first, second = [
+      json.loads(line)
+      for line in proc.stdout.splitlines()
+      if line.startswith('{')
   ]
-  assert len(lines) == 1 and 'every restart traces the model with dynamo ' \
-      'again' in lines[0], lines
-  assert served.loaded is False and served.artifact is None
-  check_against_eager(served, cpu, [(2, 8), (4, 16), (3, 5)])
+  assert (first['loaded'], second['loaded']) == (False, False)
+  assert first['compiles'] == 4
+  # A restart traces dynamo again, and the index compiles 3x5 (served by
+  # the first process) before serve() returns.
+  restart, _ = serve_in_process(model_dir, cache_dir)
+  assert (restart['frames'], restart['compiles']) == (1, 5)
+  assert not os.path.exists(os.path.join(cache_dir, 'serve'))
