@@ -7,6 +7,8 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+
+import test_layering
 import torch
 import torch._dynamo
 import torch_xla  # noqa: F401  registers the AutogradXLA kernels
@@ -135,21 +137,7 @@ def test_every_exception_is_still_needed():
 
 
 def test_torch_internals_imports_only_versions_from_the_package():
-  with open(os.path.join(PACKAGE_DIR, 'torch_internals.py')) as f:
-    tree = ast.parse(f.read())
-  imported = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and node.module:
-      if node.module == 'torch_xla_patches':
-        imported.update(alias.name for alias in node.names)
-      elif node.module.startswith('torch_xla_patches.'):
-        imported.add(node.module.split('.')[1])
-    elif isinstance(node, ast.Import):
-      imported.update(
-          alias.name.split('.')[1]
-          for alias in node.names
-          if alias.name.startswith('torch_xla_patches.'))
-  assert imported <= {'versions'}
+  assert test_layering.package_imports('torch_internals') <= {'versions'}
 
 
 def test_unwrapped_module():

@@ -134,6 +134,34 @@ def _artifact_model(grid, norm, layers, width):
   return model, token_batches, device
 
 
+def _served_lm(grid, norm, layers, width):
+  """For the modes that load or serve the LM in this process, after apply():
+  the model on the device, the grid's token batches on the device, eager CPU
+  results, and a one-item list counting the bridge's lazy traces; metrics
+  cleared, grad off."""
+  import torch
+  import torch_xla
+  import torch_xla.debug.metrics as met
+  from torch_xla_patches import dynamo_bridge as patched_bridge
+  traces = [0]
+  original_helper = patched_bridge.extract_graph_helper
+
+  def counting_helper(*args, **kwargs):
+    traces[0] += 1
+    return original_helper(*args, **kwargs)
+
+  patched_bridge.extract_graph_helper = counting_helper
+  model, token_batches, device = _artifact_model(grid, norm, layers, width)
+  with torch.no_grad():
+    cpu_model = build_model(norm, layers, width).eval()
+    expected = [cpu_model(tokens) for tokens in token_batches]
+  device_batches = [tokens.to(device) for tokens in token_batches]
+  torch_xla.sync()
+  met.clear_all()
+  torch.set_grad_enabled(False)
+  return model, device_batches, expected, traces
+
+
 def save_artifact(grid, norm, layers, width, path) -> dict:
   """The patched-artifact mode's first step (its own process): capture
   with aot_compile, serve the grid so every signature is recorded, save."""
@@ -169,31 +197,14 @@ def run_artifact_mode(grid, norm, layers, width, cache_dir) -> dict:
     if proc.returncode != 0 or not lines:
       raise RuntimeError('saving the artifact failed: ' + proc.stderr[-500:])
     save_report = json.loads(lines[-1])
-  import torch
-  import torch_xla
   import torch_xla.debug.metrics as met
   import torch_xla_patches
   from torch._dynamo.utils import counters
-  from torch_xla_patches import dynamo_bridge as patched_bridge
   # 'off': the first request is served first; the rest are compiled by
   # precompile_pending() right after, and timed on their own.
   torch_xla_patches.apply(precompile_mode='off')
-  traces = [0]
-  original_helper = patched_bridge.extract_graph_helper
-
-  def counting_helper(*args, **kwargs):
-    traces[0] += 1
-    return original_helper(*args, **kwargs)
-
-  patched_bridge.extract_graph_helper = counting_helper
-  model, token_batches, device = _artifact_model(grid, norm, layers, width)
-  with torch.no_grad():
-    cpu_model = build_model(norm, layers, width).eval()
-    expected = [cpu_model(tokens) for tokens in token_batches]
-  device_batches = [tokens.to(device) for tokens in token_batches]
-  torch_xla.sync()
-  met.clear_all()
-  torch.set_grad_enabled(False)
+  model, device_batches, expected, traces = _served_lm(grid, norm, layers,
+                                                       width)
 
   start = time.perf_counter()
   loaded = torch_xla_patches.load(path, model=model, precompile=False)
@@ -230,34 +241,17 @@ def run_artifact_mode(grid, norm, layers, width, cache_dir) -> dict:
 def run_serve_mode(mode, grid, norm, layers, width, cache_dir) -> dict:
   """serve and serve-restart: torch_xla_patches.serve over the grid, then
   the grid served."""
-  import torch
-  import torch_xla
   import torch_xla.debug.metrics as met
   import torch_xla_patches
   from torch._dynamo.utils import counters
-  from torch_xla_patches import dynamo_bridge as patched_bridge
   torch_xla_patches.apply()
-  traces = [0]
-  original_helper = patched_bridge.extract_graph_helper
-
-  def counting_helper(*args, **kwargs):
-    traces[0] += 1
-    return original_helper(*args, **kwargs)
-
-  patched_bridge.extract_graph_helper = counting_helper
-  model, token_batches, device = _artifact_model(grid, norm, layers, width)
-  with torch.no_grad():
-    cpu_model = build_model(norm, layers, width).eval()
-    expected = [cpu_model(tokens) for tokens in token_batches]
-  device_batches = [tokens.to(device) for tokens in token_batches]
-  torch_xla.sync()
-  met.clear_all()
-  torch.set_grad_enabled(False)
+  model, device_batches, expected, traces = _served_lm(grid, norm, layers,
+                                                       width)
 
   start = time.perf_counter()
   served = torch_xla_patches.serve(
       model, [(torch_xla_patches.TensorSpec(tuple(t.shape), t.dtype),)
-              for t in token_batches],
+              for t in device_batches],
       cache_dir=cache_dir)
   serve_seconds = time.perf_counter() - start
   outputs = []
