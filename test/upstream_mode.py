@@ -35,12 +35,20 @@ RENDERED_DIR_ENV = 'XLA_PATCHES_RENDERED_DIR'
 PACKAGE = 'torch_xla_patches'
 _MANIFEST = 'MANIFEST'
 
+# site.py reports an exception of sitecustomize and goes on, which would run
+# a column unpatched under the column's name: the hook ends the process.
 SITECUSTOMIZE = '''\
 # Written by test/upstream_mode.py; switched by {mode_env}.
 import os
 if os.environ.get({mode_env!r}):
-  import upstream_mode
-  upstream_mode.install_from_env()
+  try:
+    import upstream_mode
+    upstream_mode.install_from_env()
+  except Exception:
+    import traceback
+    traceback.print_exc()
+    raise SystemExit('{mode_env}: the start-up hook failed; refusing to run '
+                     'the test unpatched')
 '''
 
 
