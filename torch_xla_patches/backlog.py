@@ -21,13 +21,27 @@ A record that fails a check (record.RecordError) is skipped, counted
 costs compile time, never a call. Any other exception is a bug of the replay
 itself: it is counted and skipped the same way, unless config.strict_replay
 is set (the test suite sets it), where it propagates.
+
+A drain that may take more than one record, with config.compile_workers > 1,
+traces each record on the calling thread and compiles it on worker threads
+(see [Note: Parallel compiles] in dynamo_bridge.py). Records are still
+finished one at a time, in queue order, on the calling thread: each outcome,
+counter, progress line and error comes where the serial drain has it. At most
+compile_workers + 1 records are in flight (one waits while the workers
+compile). When a finished record raises under config.strict_replay, the
+drain waits for the compiles in flight and puts their records back at the
+head of the queue, unfinished, before it raises: the queue is the one the
+serial drain leaves (XLA's cache keeps what those compiles made, so replaying
+them again costs a trace, not a compile).
 """
 import collections
+import contextlib
 import dataclasses
 import enum
 import logging
 import time
-from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple
+from typing import (Any, Callable, ContextManager, Deque, Iterator, List,
+                    Optional, Sequence, Set, Tuple)
 
 import torch_xla
 import torch_xla.debug.metrics as metrics
@@ -107,6 +121,24 @@ class _Budget:
 # Compiles the rebuilt arguments of one record; False if the signature was
 # compiled already.
 CompileFunction = Callable[[List[Any]], bool]
+# Starts compiling the rebuilt arguments of one record (traces them now);
+# the function it returns waits for the compile and returns, or raises, what
+# CompileFunction would have.
+StartFunction = Callable[[List[Any]], Callable[[], bool]]
+# Opens a window with this many compile workers, in which StartFunction may
+# be called; it closes once every compile started in it is done.
+WindowFunction = Callable[[int], ContextManager[StartFunction]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Started:
+  """One record taken from the queue, its compile maybe still running."""
+  record: RecordedSignature
+  start: float
+  compile_seconds_before: float
+  # Waits for the compile; None when rebuilding or starting raised `error`.
+  finish: Optional[Callable[[], bool]]
+  error: Optional[Exception]
 
 
 class Backlog:
@@ -118,13 +150,19 @@ class Backlog:
     layout: the graph's argument layout.
     compile_signature: traces and compiles rebuilt arguments (the bridge's
       SignatureCache.compile_recorded).
+    compile_window: opens a window of parallel compiles (the bridge's
+      SignatureCache.compile_window); None: drains compile serially.
   """
 
-  def __init__(self, graph_id: int, layout: ArgLayout,
-               compile_signature: CompileFunction):
+  def __init__(self,
+               graph_id: int,
+               layout: ArgLayout,
+               compile_signature: CompileFunction,
+               compile_window: Optional[WindowFunction] = None):
     self.graph_id = graph_id
     self.layout = layout
     self._compile_signature = compile_signature
+    self._compile_window = compile_window
     self._queue: Deque[RecordedSignature] = collections.deque()
     self._queued_ids: Set[str] = set()
     # From the call that queued the records; dropped once the queue is
@@ -189,15 +227,29 @@ class Backlog:
   def _drain(self, budget: _Budget) -> BacklogReport:
     total = len(self._queue) if budget.count is None else min(
         len(self._queue), budget.count)
-    compiled = skipped = taken = 0
-    while self._queue and budget.allows_one():
-      item = self._queue.popleft()
-      budget.take_one()
-      taken += 1
-      step = self._replay(item)
-      compiled += step.outcome == BacklogOutcome.COMPILED
-      skipped += step.outcome == BacklogOutcome.SKIPPED
-      self._log_step(step, taken, total)
+    workers = config.compile_workers
+    if self._compile_window is None or total < 2:
+      workers = 1
+    steps: List[BacklogStep] = []
+    with self._window(workers) as start:
+      in_flight: Deque[_Started] = collections.deque()
+      try:
+        while self._queue and budget.allows_one():
+          item = self._queue.popleft()
+          budget.take_one()
+          in_flight.append(self._start(item, start))
+          # The serial drain finishes each record before taking the next.
+          while len(in_flight) > (workers + 1 if workers > 1 else 0):
+            steps.append(
+                self._finish(in_flight.popleft(),
+                             len(steps) + 1, total))
+        while in_flight:
+          steps.append(self._finish(in_flight.popleft(), len(steps) + 1, total))
+      finally:
+        # Only after a raise: those records were not finished.
+        self._queue.extendleft(reversed([s.record for s in in_flight]))
+    compiled = sum(s.outcome == BacklogOutcome.COMPILED for s in steps)
+    skipped = sum(s.outcome == BacklogOutcome.SKIPPED for s in steps)
     if not self._queue:
       self._template = None
     if compiled:
@@ -206,13 +258,39 @@ class Backlog:
                          skipped=skipped,
                          remaining=len(self._queue))
 
-  def _replay(self, item: RecordedSignature) -> BacklogStep:
-    start = time.perf_counter()
+  @contextlib.contextmanager
+  def _window(self, workers: int) -> Iterator[StartFunction]:
+    if workers > 1:
+      with self._compile_window(workers) as start:
+        yield start
+    else:
+      yield self._start_serially
+
+  def _start_serially(self, args: List[Any]) -> Callable[[], bool]:
+    compiled = self._compile_signature(args)
+    return lambda: compiled
+
+  def _start(self, item: RecordedSignature, start: StartFunction) -> _Started:
+    begin = time.perf_counter()
     _, compile_seconds_before = compile_stats()
+    finish, error = None, None
+    try:
+      finish = start(self._template.rebuild(item, torch_xla.device()))
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    return _Started(record=item,
+                    start=begin,
+                    compile_seconds_before=compile_seconds_before,
+                    finish=finish,
+                    error=error)
+
+  def _finish(self, started: _Started, number: int, total: int) -> BacklogStep:
+    item = started.record
     outcome, reason = BacklogOutcome.COMPILED, ''
     try:
-      args = self._template.rebuild(item, torch_xla.device())
-      if self._compile_signature(args):
+      if started.error is not None:
+        raise started.error
+      if started.finish():
         torch_xla._XLAC._xla_increment_counter(COUNTER_PRECOMPILED, 1)
       else:
         outcome = BacklogOutcome.KNOWN
@@ -226,12 +304,14 @@ class Backlog:
     if outcome == BacklogOutcome.SKIPPED:
       self._skip(item.source or 'a recorded signature', reason)
     _, compile_seconds_after = compile_stats()
-    return BacklogStep(record=item,
+    step = BacklogStep(record=item,
                        outcome=outcome,
                        reason=reason,
-                       seconds=time.perf_counter() - start,
+                       seconds=time.perf_counter() - started.start,
                        compile_seconds=compile_seconds_after -
-                       compile_seconds_before)
+                       started.compile_seconds_before)
+    self._log_step(step, number, total)
+    return step
 
   # -- reporting
 

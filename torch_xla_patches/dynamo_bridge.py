@@ -10,13 +10,17 @@ import operator
 import warnings
 
 import collections
+import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import os
+import threading
 import time
 import weakref
-from typing import Any, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Deque, Dict, Hashable, Iterator, List,
+                    Optional, Sequence, Tuple)
 from numbers import Number
 
 import torch
@@ -34,7 +38,7 @@ from torch_xla._dynamo import config as upstream_config
 from torch_xla_patches import config, fingerprint, record, signature_index
 from torch_xla_patches.backlog import (COUNTER_PRECOMPILE_SKIPPED,
                                        COUNTER_PRECOMPILED, Backlog,
-                                       compile_stats)
+                                       StartFunction, compile_stats)
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
                                          check_scalar_input, describe_arg,
@@ -213,12 +217,19 @@ def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
   try:
     yield
   finally:
-    flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-    for tensor, clone, updated in zip(tensors, clones, flags):
-      if updated:
-        tensor.copy_(clone)
-    del clones
-    torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
+    _restore_and_clear(tensors, clones)
+
+
+def _restore_and_clear(tensors: List[torch.Tensor],
+                       clones: List[torch.Tensor]) -> None:
+  """Copies each clone back into its tensor if the tensor has pending IR, then
+  drops the pending IR of every live tensor on the device."""
+  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  for tensor, clone, updated in zip(tensors, clones, flags):
+    if updated:
+      tensor.copy_(clone)
+  del clones[:]
+  torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
 
 
 def _data_id(tensor: torch.Tensor) -> int:
@@ -316,43 +327,358 @@ def _match_graph_inputs(
   return GraphInputMatcher(id_to_position, input_ids, input_values)
 
 
-def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                         layout: ArgLayout) -> CompiledGraphEntry:
-  """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
-  # Don't reset the scope as we might be under some profiler trace scope.
-  torch_xla.sync(reset_scope=False)
+def compile_graph(graph_tensors: List[torch.Tensor]) -> None:
+  """Compiles the XLA graph whose outputs are `graph_tensors` (their pending
+  IR) into XLA's computation cache, without running it. Every compile of the
+  bridge goes through here, on the main thread or on a compile worker."""
+  torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedGraph:
+  """One signature traced and hashed, not compiled yet."""
+  entry: CompiledGraphEntry
+  # The tensors whose pending IR is the XLA graph to compile; empty when the
+  # graph computes nothing (see OutputPlan.num_results).
+  graph_tensors: List[torch.Tensor]
+
+
+def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                 layout: ArgLayout) -> TracedGraph:
+  """Lazily traces `xla_model` on `args` and hashes the XLA graph. The
+  arguments keep whatever pending IR the trace gave them: callers restore
+  them (see pending_ir_restored)."""
   tensor_positions = layout.tensor_positions
   tensor_id_to_position = {
       torch_xla._XLAC._xla_get_tensor_id(args[i]): i for i in tensor_positions
   }
   if dynamo_debug:
     print(f'Graph Module:\n{xla_model.code}')
+  outputs = _flatten_outputs(xla_model(*args))
+  # IR/data identity of each argument after the trace, for aliases among
+  # outputs and graph inputs.
+  position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
+  graph_tensors, output_plan = _plan_outputs(args, tensor_positions, outputs,
+                                             position_of_arg_data)
+  graph_hash = b''
+  matcher = GraphInputMatcher({}, (), ())
+  if output_plan.num_results:
+    matcher = _match_graph_inputs(graph_tensors, tensor_id_to_position,
+                                  position_of_arg_data)
+    if dynamo_debug:
+      print(f'Number of HLO inputs: {len(matcher.arg_idxs)}, outputs: '
+            f'{output_plan.num_results}')
+      print(torch_xla._XLAC._get_xla_tensors_text(graph_tensors))
+    with alias_with_buffer_donor_config():
+      graph_hash = torch_xla._XLAC._get_graph_hash(graph_tensors)
+  else:
+    graph_tensors = []
+  entry = CompiledGraphEntry(graph_hash=graph_hash,
+                             graph_input_matcher=matcher,
+                             output_plan=output_plan,
+                             signature=layout.signature_of(args))
+  return TracedGraph(entry=entry, graph_tensors=graph_tensors)
+
+
+def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                         layout: ArgLayout) -> CompiledGraphEntry:
+  """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
+  # Don't reset the scope as we might be under some profiler trace scope.
+  torch_xla.sync(reset_scope=False)
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
-  with pending_ir_restored([args[i] for i in tensor_positions]):
-    outputs = _flatten_outputs(xla_model(*args))
-    # IR/data identity of each argument after the trace, for aliases among
-    # outputs and graph inputs.
-    position_of_arg_data = {_data_id(args[i]): i for i in tensor_positions}
-    graph_tensors, output_plan = _plan_outputs(args, tensor_positions, outputs,
-                                               position_of_arg_data)
-    graph_hash = b''
-    matcher = GraphInputMatcher({}, (), ())
-    if output_plan.num_results:
-      matcher = _match_graph_inputs(graph_tensors, tensor_id_to_position,
-                                    position_of_arg_data)
-      if dynamo_debug:
-        print(f'Number of HLO inputs: {len(matcher.arg_idxs)}, outputs: '
-              f'{output_plan.num_results}')
-        print(torch_xla._XLAC._get_xla_tensors_text(graph_tensors))
+  with pending_ir_restored([args[i] for i in layout.tensor_positions]):
+    traced = _trace_graph(xla_model, args, layout)
+    if traced.graph_tensors:
       with alias_with_buffer_donor_config():
-        graph_hash = torch_xla._XLAC._get_graph_hash(graph_tensors)
-        torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
-  return CompiledGraphEntry(graph_hash=graph_hash,
-                            graph_input_matcher=matcher,
-                            output_plan=output_plan,
-                            signature=layout.signature_of(args))
+        compile_graph(traced.graph_tensors)
+  return traced.entry
+
+
+def _compile_on_worker(graph_tensors: List[torch.Tensor]) -> None:
+  try:
+    with alias_with_buffer_donor_config():
+      compile_graph(graph_tensors)
+  finally:
+    # A raised exception keeps this frame in its traceback: let the tensors,
+    # and the pending IR of the graph, go now.
+    del graph_tensors[:]
+
+
+class CompileWindow:
+  """Compiles in flight on worker threads while the main thread traces the
+  next signatures of one graph.
+
+  [Note: Parallel compiles]
+  Replaying recorded signatures (see [Note: Replaying recorded signatures])
+  with config.compile_workers > 1 traces each signature on the calling
+  thread, under the GIL, and compiles it on a pool of that many threads
+  (`_xla_warm_up_cache` releases the GIL while XLA compiles). A serial trace
+  starts with torch_xla.sync(), which executes the pending IR of every live
+  tensor, and ends with _clear_pending_irs, which drops it: either would
+  break a graph whose outputs a worker is compiling. So, while any compile
+  is in flight, a trace here
+    - syncs nothing: if an argument has pending IR, it first waits for every
+      compile in flight and syncs as the serial path does; otherwise it only
+      advances the RNG seed as the sync would have (each trace starts from
+      the seed a serial trace would start from, so the same programs and
+      the same random streams come out);
+    - clears nothing: a trace that leaves an argument with pending IR (an
+      in-place update) waits for every compile in flight, compiles on the
+      calling thread and restores the arguments as the serial path does;
+      otherwise its lazy clones and intermediate tensors die with their
+      references, and the graph's outputs once their compile is done
+      (`_compile_on_worker` drops them even when the compile raises);
+    - hands the worker only the graph outputs that have pending IR: an output
+      that is device data (an unchanged argument) would be written to by the
+      worker's sync (its data's info) while the main thread reads it.
+  With nothing in flight a trace syncs, as a serial trace does. Buffer-donor
+  aliasing is on for the whole window (it only changes warm-up compiles and
+  graph hashes; a sync donates the same buffers either way). The window
+  ends when every compile is done, with the pending IR of the device
+  cleared, as after a serial replay. Entries are added, counted and recorded
+  by the caller on the calling thread, in the order the signatures were
+  started, so the cache, the counters and the errors (see backlog.py) are
+  those of a serial replay.
+  """
+
+  def __init__(self, workers: int):
+    self.workers = workers
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=workers, thread_name_prefix='xla-compile')
+    self._in_flight: List[concurrent.futures.Future] = []
+    # The seed the last sync, real or advanced here, left.
+    self._seed = 0
+    self._traced = False
+
+  def _busy(self) -> bool:
+    self._in_flight = [f for f in self._in_flight if not f.done()]
+    return bool(self._in_flight)
+
+  def wait(self) -> None:
+    """Waits for every compile in flight; their errors stay in their
+    futures."""
+    concurrent.futures.wait(self._in_flight)
+    self._in_flight = []
+
+  def _begin_trace(self, tensors: List[torch.Tensor]) -> None:
+    if self._busy() and True in (
+        torch_xla._XLAC._check_tensor_need_materialization(tensors)):
+      self.wait()
+    if self._busy():
+      # The seed torch_xla.sync() would leave (one mark step), with nothing
+      # executed.
+      self._seed = (1012031 + self._seed * 7012063) % (1 << 64)
+      xm.set_rng_state(self._seed)
+    else:
+      torch_xla.sync(reset_scope=False)
+      self._seed = torch_xla._XLAC._xla_get_rng_seed()
+    self._traced = True
+
+  def trace(
+      self, xla_model: torch.fx.GraphModule, args: Sequence[Any],
+      layout: ArgLayout
+  ) -> Tuple[CompiledGraphEntry, Optional[concurrent.futures.Future]]:
+    """Traces one signature; returns its entry and the future of its compile
+    (None when it is compiled already, or has nothing to compile)."""
+    tensors = [args[i] for i in layout.tensor_positions]
+    self._begin_trace(tensors)
+    clones = [torch.clone(t) for t in tensors]
+    restore = True
+    try:
+      traced = _trace_graph(xla_model, args, layout)
+      if True not in torch_xla._XLAC._check_tensor_need_materialization(
+          tensors):
+        restore = False
+        del clones[:]
+        torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
+        if not traced.graph_tensors:
+          return traced.entry, None
+        computed = torch_xla._XLAC._check_tensor_need_materialization(
+            traced.graph_tensors)
+        future = self._pool.submit(
+            _compile_on_worker,
+            [t for t, flag in zip(traced.graph_tensors, computed) if flag])
+        self._in_flight.append(future)
+        return traced.entry, future
+      # An in-place update: the serial path, after the compiles in flight.
+      self.wait()
+      if traced.graph_tensors:
+        compile_graph(traced.graph_tensors)
+      return traced.entry, None
+    except BaseException:
+      # No worker may be reading IR that the restore below drops.
+      self.wait()
+      raise
+    finally:
+      if restore:
+        _restore_and_clear(tensors, clones)
+
+  @contextlib.contextmanager
+  def opened(self) -> Iterator['CompileWindow']:
+    try:
+      with alias_with_buffer_donor_config():
+        try:
+          yield self
+        finally:
+          self.wait()
+    finally:
+      self._pool.shutdown(wait=True)
+      if self._traced:
+        torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
+
+
+class _ClaimedMiss(Exception):
+  """Stops a precompile() call at its first new signature; see [Note:
+  Parallel precompile]."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Claim:
+  """A signature a precompile() call stopped at, to compile."""
+  cache: 'SignatureCache'
+  key: Hashable
+  args: List[Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimsCompiled:
+  """What PrecompileCalls.compile() did."""
+  # The first `ready` claims, in order, are compiled.
+  ready: int
+  # Why the next claim is not (None: all are ready).
+  error: Optional[BaseException]
+  # Wall seconds each ready claim took from its trace to the end of its
+  # compile (compiles overlap).
+  compile_seconds: Tuple[float, ...]
+  # Whether each ready claim had a program to compile.
+  compiled: Tuple[bool, ...]
+
+
+# The PrecompileCalls collecting on some thread, or None; read on misses only.
+_precompile_calls: Optional['PrecompileCalls'] = None
+
+
+class PrecompileCalls:
+  """The calls of one precompile() with compile workers.
+
+  [Note: Parallel precompile]
+  precompile() (and serve(), through it) runs its calls through dynamo in two
+  passes. In the first, each call runs under `call()`: a miss in the call's
+  first graph call (no graph of that call has run, so neither the graph nor
+  what follows it has changed anything) claims the signature in its
+  SignatureCache and stops the call with _ClaimedMiss, uncounted; a miss
+  after a graph of the call ran is served as usual. `compile()` then traces
+  the claims here and compiles them on the workers (a CompileWindow, see
+  [Note: Parallel compiles]); each compiled entry waits in its cache. In the
+  second pass precompile() makes the stopped calls again, in order: each
+  misses, is counted, takes its compiled entry and runs. So the programs, the
+  counters, the index records and what the calls do to their arguments (the
+  program runs once per call, whole, AOTAutograd's epilogue included) are
+  the serial precompile's; only the RNG stream differs (the mark steps come
+  in another order). Returning lazy outputs instead of stopping the call
+  would let AOTAutograd copy them into mutated inputs, which a later sync
+  would execute as another program. A claimed signature is compiled already
+  as far as the graph's backlog is concerned. When a compile raises, the
+  calls before its own run, then precompile() raises it, as the serial
+  precompile would at that call; calls after it that needed no new
+  signature did run in the first pass.
+  """
+
+  def __init__(self, workers: int):
+    self.workers = workers
+    self._claims: List[_Claim] = []
+    self._thread = threading.get_ident()
+    self._hits_at_call = 0
+
+  def call(self, fn: Callable[..., Any], args: Sequence[Any]) -> Optional[int]:
+    """Calls fn(*args); None if it ran, else the number of the claim it
+    stopped at (an earlier one when another call claimed that signature)."""
+    global _precompile_calls
+    self._hits_at_call = metrics.counter_value(COUNTER_HIT) or 0
+    _precompile_calls = self
+    try:
+      fn(*args)
+      return None
+    except _ClaimedMiss as claimed:
+      return claimed.args[0]
+    finally:
+      _precompile_calls = None
+
+  def claim(self, cache: 'SignatureCache', key: Hashable,
+            args: Sequence[Any]) -> None:
+    """On a miss: stops the call if its signature can wait (see the Note)."""
+    if (threading.get_ident() != self._thread or
+        (metrics.counter_value(COUNTER_HIT) or 0) != self._hits_at_call):
+      return
+    for number, claim in enumerate(self._claims):
+      if claim.cache is cache and claim.key == key:
+        raise _ClaimedMiss(number)
+    cache._precompiled[key] = None
+    self._claims.append(_Claim(cache=cache, key=key, args=list(args)))
+    raise _ClaimedMiss(len(self._claims) - 1)
+
+  def compile(self) -> ClaimsCompiled:
+    """Traces every claim here and compiles it on the workers, in order,
+    stopping at the first that raises."""
+    window = CompileWindow(self.workers)
+    in_flight: Deque[Tuple[_Claim, Any]] = collections.deque()
+    seconds: List[float] = []
+    compiled: List[bool] = []
+    error = None
+
+    def finish() -> None:
+      nonlocal error
+      claim, started = in_flight.popleft()
+      if error is not None:
+        return
+      try:
+        if isinstance(started, BaseException):
+          raise started
+        entry, future, begin = started
+        if future is not None:
+          future.result()
+        seconds.append(time.perf_counter() - begin)
+        compiled.append(future is not None)
+        if claim.key in claim.cache._precompiled:
+          claim.cache._precompiled[claim.key] = entry
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+
+    with window.opened():
+      for claim in self._claims:
+        if error is not None:
+          break
+        if (claim.key in claim.cache.entries or
+            claim.key not in claim.cache._precompiled):
+          # Served meanwhile by a call whose graph had run (see the Note).
+          in_flight.append((claim, (None, None, time.perf_counter())))
+        else:
+          try:
+            begin = time.perf_counter()
+            entry, future = window.trace(claim.cache.xla_model, claim.args,
+                                         claim.cache.layout)
+            in_flight.append((claim, (entry, future, begin)))
+          except Exception as e:  # pylint: disable=broad-except
+            in_flight.append((claim, e))
+            break
+        while len(in_flight) > self.workers + 1:
+          finish()
+      while in_flight:
+        finish()
+    ready = len(seconds)
+    if error is not None:
+      # The serial call of the failing claim counted its miss, then raised.
+      _increment_counter(COUNTER_MISS, 1)
+    for claim in self._claims[ready:]:
+      # Serially these calls never came: nothing of theirs is kept.
+      claim.cache._precompiled.pop(claim.key, None)
+    self._claims = []
+    return ClaimsCompiled(ready=ready,
+                          error=error,
+                          compile_seconds=tuple(seconds),
+                          compiled=tuple(compiled))
 
 
 _graph_ids = itertools.count()
@@ -386,7 +712,12 @@ class SignatureCache:
     self.entries: 'collections.OrderedDict[Hashable, CompiledGraphEntry]' = (
         collections.OrderedDict())
     self._warned_cap = False
-    self.backlog = Backlog(self.graph_id, layout, self._compile_recorded)
+    # Signatures a precompile() claimed (see [Note: Parallel precompile]):
+    # None until compiled, then the entry, moved to `entries` by the miss of
+    # the call that asks for it.
+    self._precompiled: Dict[Hashable, Optional[CompiledGraphEntry]] = {}
+    self.backlog = Backlog(self.graph_id, layout, self._compile_recorded,
+                           self._compile_window)
     self.usage: Optional[signature_index.UsageLog] = None
     if config.cache_dir:
       index = signature_index.GraphIndex(
@@ -399,6 +730,10 @@ class SignatureCache:
 
   def trace(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
     entry = extract_graph_helper(self.xla_model, args, self.layout)
+    self._add_entry(key, entry)
+    return entry
+
+  def _add_entry(self, key: Hashable, entry: CompiledGraphEntry) -> None:
     self.entries[key] = entry
     self.entries.move_to_end(key)
     cap = config.max_signatures_per_graph
@@ -412,7 +747,6 @@ class SignatureCache:
             'dropping the least recently used ones. Raise '
             'XLA_PATCHES_MAX_SIGNATURES (0: no cap) or pad shapes into '
             'buckets.', self.graph_id, cap)
-    return entry
 
   def _trace_and_record(self, key: Hashable,
                         args: Sequence[Any]) -> CompiledGraphEntry:
@@ -425,14 +759,71 @@ class SignatureCache:
     _increment_counter(COUNTER_MISS, 1)
     if config.explain_misses:
       logger.info('%s', self.explain_miss(args))
+    entry = self._precompiled.pop(key, None)
+    if entry is not None:
+      self._add_prepared(key, entry, args)
+      return entry
     return self._trace_and_record(key, args)
+
+  def _add_prepared(self, key: Hashable, entry: CompiledGraphEntry,
+                    args: Sequence[Any]) -> None:
+    self._add_entry(key, entry)
+    if self.usage is not None:
+      self.usage.record(key, record.make_record(self.layout, args))
 
   def _compile_recorded(self, args: List[Any]) -> bool:
     key = self.key_of(args)
     if key in self.entries:
       return False
+    if key in self._precompiled:
+      entry = self._precompiled[key]
+      if entry is None:
+        # A precompile() call claimed it: serially, that call compiled it
+        # already.
+        return False
+      del self._precompiled[key]
+      self._add_prepared(key, entry, args)
+      return True
     self._trace_and_record(key, args)
     return True
+
+  @contextlib.contextmanager
+  def _compile_window(self, workers: int) -> Iterator[StartFunction]:
+    """Opens a window in which recorded signatures are traced here and
+    compiled on `workers` threads (see [Note: Parallel compiles])."""
+    window = CompileWindow(workers)
+    started = set()
+    with window.opened():
+      yield functools.partial(self._start_recorded, window, started)
+
+  def _start_recorded(self, window: CompileWindow, started: set,
+                      args: List[Any]) -> Callable[[], bool]:
+    """Traces rebuilt arguments now; the function returned waits for their
+    compile, then adds the entry and returns what _compile_recorded would."""
+    key = self.key_of(args)
+    if key in self.entries:
+      return lambda: False
+    if key in started or key in self._precompiled:
+      # The same signature is in flight, or claimed by a precompile():
+      # decided in turn, as serially.
+      def in_turn() -> bool:
+        window.wait()
+        return self._compile_recorded(args)
+
+      return in_turn
+    started.add(key)
+    made = record.make_record(self.layout, args) if self.usage else None
+    entry, future = window.trace(self.xla_model, args, self.layout)
+
+    def finish() -> bool:
+      if future is not None:
+        future.result()
+      self._add_entry(key, entry)
+      if made is not None:
+        self.usage.record(key, made)
+      return True
+
+    return finish
 
   def explain_miss(self, args: Sequence[Any]) -> str:
     signature = self.layout.signature_of(args)
@@ -549,6 +940,8 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     key = key_of(args)
     entry = entries.get(key)
     if entry is None:
+      if _precompile_calls is not None:
+        _precompile_calls.claim(cache, key, args)
       entry = cache.on_miss(key, args)
     else:
       _increment_counter(COUNTER_HIT, 1)

@@ -5,21 +5,22 @@ signature, so dynamo traces once (dynamic=True) and the bridge compiles one
 XLA program per signature. (Signatures recorded by the persistent index or an
 artifact are replayed by the bridge itself, see backlog.py.)
 
-Compiles run one after another: the lazy tracer's pending-IR state is process
-wide (extract_graph_helper syncs and clears it), so two signatures cannot be
-traced at once safely.
+With config.compile_workers > 1 the calls go through the bridge in two passes
+and the XLA compiles run on worker threads, overlapping the traces (see
+[Note: Parallel precompile] in dynamo_bridge.py); traces themselves run one
+after another, on the calling thread.
 """
 import dataclasses
 import logging
 import time
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 import torch_xla
 
 from torch_xla_patches.backlog import compile_stats
-from torch_xla_patches import io_utils
+from torch_xla_patches import config, dynamo_bridge, io_utils
 from torch_xla_patches.io_utils import TensorSpec
 
 logger = logging.getLogger('torch_xla_patches.precompile')
@@ -92,20 +93,77 @@ def precompile(compiled_fn: Callable,
   """
   device = torch_xla.device()
   bar = _Progress(len(specs), progress)
+  if config.compile_workers > 1 and len(specs) > 1:
+    return _precompile_in_parallel(compiled_fn, specs, bar,
+                                   config.compile_workers)
   report = []
   for spec in specs:
     args = _materialize(spec, device)
-    compiles_before, compile_seconds_before = compile_stats()
-    start = time.perf_counter()
-    compiled_fn(*args)
-    torch_xla.sync()
-    seconds = time.perf_counter() - start
-    compiles_after, compile_seconds_after = compile_stats()
-    item = PrecompiledSignature(description=_describe(args),
-                                seconds=seconds,
-                                compile_seconds=compile_seconds_after -
-                                compile_seconds_before,
-                                xla_compiles=compiles_after - compiles_before)
+    item = _timed_call(compiled_fn, args)
     report.append(item)
     bar.step(item)
+  return report
+
+
+def _timed_call(compiled_fn: Callable,
+                args: Tuple[Any, ...]) -> PrecompiledSignature:
+  compiles_before, compile_seconds_before = compile_stats()
+  start = time.perf_counter()
+  compiled_fn(*args)
+  torch_xla.sync()
+  seconds = time.perf_counter() - start
+  compiles_after, compile_seconds_after = compile_stats()
+  return PrecompiledSignature(description=_describe(args),
+                              seconds=seconds,
+                              compile_seconds=compile_seconds_after -
+                              compile_seconds_before,
+                              xla_compiles=compiles_after - compiles_before)
+
+
+def _precompile_in_parallel(compiled_fn: Callable, specs: Sequence[Any],
+                            bar: _Progress,
+                            workers: int) -> List[PrecompiledSignature]:
+  """precompile() in two passes (see [Note: Parallel precompile]). A call
+  whose signature compiled on a worker reports the wall seconds of its two
+  calls and of its trace and compile, which overlap others'."""
+  device = torch_xla.device()
+  calls = dynamo_bridge.PrecompileCalls(workers)
+  report: List[Optional[PrecompiledSignature]] = [None] * len(specs)
+  # (spec index, claim number, arguments, seconds of the first pass)
+  stopped = []
+  for index, spec in enumerate(specs):
+    args = _materialize(spec, device)
+    compiles_before, compile_seconds_before = compile_stats()
+    start = time.perf_counter()
+    claim = calls.call(compiled_fn, args)
+    if claim is None:
+      torch_xla.sync()
+      compiles_after, compile_seconds_after = compile_stats()
+      report[index] = PrecompiledSignature(
+          description=_describe(args),
+          seconds=time.perf_counter() - start,
+          compile_seconds=compile_seconds_after - compile_seconds_before,
+          xla_compiles=compiles_after - compiles_before)
+      bar.step(report[index])
+    else:
+      stopped.append((index, claim, args, time.perf_counter() - start))
+  compiled = calls.compile()
+  first_of_claim = set()
+  for index, claim, args, first_seconds in stopped:
+    if claim >= compiled.ready:
+      # Where the serial precompile would have raised it.
+      raise compiled.error
+    item = _timed_call(compiled_fn, args)
+    # Its claimed signature's compile (a later graph of the call may have
+    # compiled during the call itself).
+    first = claim not in first_of_claim
+    first_of_claim.add(claim)
+    worker_seconds = compiled.compile_seconds[claim] if first else 0.0
+    report[index] = PrecompiledSignature(
+        description=item.description,
+        seconds=first_seconds + worker_seconds + item.seconds,
+        compile_seconds=worker_seconds + item.compile_seconds,
+        xla_compiles=int(first and compiled.compiled[claim]) +
+        item.xla_compiles)
+    bar.step(report[index])
   return report

@@ -1,0 +1,405 @@
+"""Parallel compiles (config.compile_workers, see [Note: Parallel compiles]
+and [Note: Parallel precompile] in dynamo_bridge.py): a replay of recorded
+signatures, or a precompile(), with 2 workers gives the programs, results,
+counters and errors of the serial one."""
+import os
+import shutil
+import time
+
+import pytest
+import torch
+import torch._dynamo
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+
+from torch_xla_patches import (TensorSpec, backlog, config, dynamo_bridge,
+                               warmup)
+from bridge_testing import REPO_ROOT, counters, run_python, xla
+
+# Records the signatures of SIZES in CACHE_DIR (first process), or replays
+# them all on the first call and serves every size (later processes).
+REPLAY_SCRIPT = r'''
+import hashlib
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla_patches
+from bridge_testing import counters
+torch_xla_patches.apply(cache_dir=CACHE_DIR)
+device = torch_xla.device()
+
+def fn(x, w1, w2):
+  h = torch.nn.functional.gelu(x @ w1)
+  return torch.tanh(h @ w2) * x.shape[0], h.sum(dim=0)
+
+compiled = torch.compile(fn, backend='openxla', dynamic=True)
+torch.manual_seed(0)
+w1, w2 = torch.randn(16, 32), torch.randn(32, 16)
+for n in SIZES:
+  x = torch.randn(n, 16)
+  got = compiled(x.to(device), w1.to(device), w2.to(device))
+  for out, ref in zip(got, fn(x, w1, w2)):
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    print('result', n, hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest())
+for name, value in counters().items():
+  print(name, value)
+print('CompileTime', met.metric_data('CompileTime')[0])
+'''
+
+SIZES = [3, 4, 5, 6, 7, 9, 10, 11, 12]
+
+
+def replay(cache_dir, sizes, workers):
+  """Counters and result digests of one process serving `sizes`."""
+  code = REPLAY_SCRIPT.replace('CACHE_DIR', repr(str(cache_dir))).replace(
+      'SIZES', repr(sizes))
+  proc = run_python(
+      code, {
+          'PYTHONPATH': os.pathsep.join([REPO_ROOT, f'{REPO_ROOT}/test']),
+          'XLA_PATCHES_COMPILE_WORKERS': str(workers),
+          'XLA_PATCHES_REPLAY_SYNC_MAX': '0',
+          'XLA_PATCHES_PRECOMPILE_PROGRESS': '0',
+      })
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  results = [l for l in lines if l.startswith('result')]
+  found = dict(l.split() for l in lines if not l.startswith('result'))
+  return {k: int(v) for k, v in found.items()}, results
+
+
+def test_a_replay_with_2_workers_equals_the_serial_replay(tmp_path):
+  recorded = tmp_path / 'recorded'
+  replay(recorded, SIZES, workers=1)
+  got = {}
+  for workers in (1, 2):
+    # Each replay starts from the same index (serving counts its calls).
+    copy = tmp_path / f'workers-{workers}'
+    shutil.copytree(recorded, copy)
+    got[workers] = replay(copy, list(reversed(SIZES)), workers)
+  serial_counters, serial_results = got[1]
+  assert serial_counters == {
+      'DynamoExtractCompiledGraph': 1,
+      # The first call (12) traced and served; 8 replayed before it returns.
+      'DynamoSignatureHit': len(SIZES),
+      'DynamoSignatureMiss': 1,
+      'DynamoEvictedRetrace': 0,
+      'DynamoSignatureDropped': 0,
+      'DynamoCpuFallbackPartition': 0,
+      'DynamoSignaturePrecompiled': len(SIZES) - 1,
+      'DynamoSignaturePrecompileSkipped': 0,
+      'UncachedCompile': len(SIZES),
+      'CompileTime': len(SIZES),
+  }
+  assert got[2] == (serial_counters, serial_results)
+
+
+# The same, in this process, with the index in tmp_path.
+
+# x is (n, 8) and w (8, 4): no n is 4 or 8, which dynamo would tie to w's
+# sizes (duck sizing), making another graph.
+SMALL_SIZES = [2, 3, 5, 6, 7, 9, 10]
+
+
+def mlp(x, w):
+  return torch.tanh(x @ w) * x.shape[0]
+
+
+@pytest.fixture
+def indexed(patched_bridge, tmp_path, monkeypatch):
+  monkeypatch.setattr(config, 'cache_dir', str(tmp_path / 'recorded'))
+  monkeypatch.setattr(config, 'precompile_progress', False)
+  return tmp_path
+
+
+def restart(tmp_path, monkeypatch, workers):
+  """A copy of the recorded index (serving counts calls, which would change
+  the replay order of the next restart), `workers` compile workers, a known
+  RNG seed and zeroed metrics."""
+  copy = tmp_path / f'workers-{workers}'
+  shutil.copytree(tmp_path / 'recorded', copy)
+  monkeypatch.setattr(config, 'cache_dir', str(copy))
+  monkeypatch.setattr(config, 'compile_workers', workers)
+  xm.set_rng_state(1234)
+  met.clear_all()
+
+
+def serve_here(fn, sizes, backend='openxla'):
+  """A fresh dynamo trace of fn(x, w) served at `sizes`; checks results."""
+  torch._dynamo.reset()
+  compiled = torch.compile(fn, backend=backend, dynamic=True)
+  w = torch.randn(8, 4)
+  for n in sizes:
+    x = torch.randn(n, 8)
+    torch.testing.assert_close(compiled(xla(x), xla(w)).cpu(),
+                               fn(x, w),
+                               rtol=1e-4,
+                               atol=1e-4)
+  return compiled
+
+
+def bridge_counters():
+  """counters() without UncachedCompile: XLA's own cache keeps the
+  programs of earlier replays of this process."""
+  got = counters()
+  del got['UncachedCompile']
+  return got
+
+
+def the_cache():
+  return dynamo_bridge.live_signature_caches()[-1]
+
+
+def hashes(cache):
+  return {
+      entry.signature.shape_values: entry.graph_hash
+      for entry in cache.entries.values()
+  }
+
+
+class SlowCompile:
+  """compile_graph, slower: compiles XLA's cache answers at once (this
+  process compiled the same programs before) stay in flight for a while."""
+
+  def __init__(self):
+    self._compile = dynamo_bridge.compile_graph
+
+  def __call__(self, graph_tensors):
+    time.sleep(0.3)
+    self._compile(graph_tensors)
+
+
+class FailOnce:
+  """compile_graph, raising the first time it compiles a graph whose first
+  output has `rows` rows."""
+
+  def __init__(self, rows):
+    self.rows = rows
+    self.failed = 0
+    self._compile = dynamo_bridge.compile_graph
+
+  def __call__(self, graph_tensors):
+    if not self.failed and graph_tensors[0].shape[0] == self.rows:
+      self.failed += 1
+      raise RuntimeError(f'compile failed for {self.rows} rows')
+    self._compile(graph_tensors)
+
+
+@pytest.mark.parametrize('strict', [True, False])
+def test_a_failing_compile_is_raised_or_skipped_as_serially(
+    indexed, monkeypatch, strict):
+  serve_here(mlp, SMALL_SIZES)
+  monkeypatch.setattr(config, 'precompile_mode', 'off')
+  monkeypatch.setattr(config, 'strict_replay', strict)
+  seen = {}
+  for workers in (1, 2):
+    restart(indexed, monkeypatch, workers)
+    failing = FailOnce(rows=5)
+    monkeypatch.setattr(dynamo_bridge, 'compile_graph', failing)
+    compiled = serve_here(mlp, [3])
+    cache = the_cache()
+    if strict:
+      with pytest.raises(RuntimeError, match='compile failed for 5 rows'):
+        cache.drain_backlog()
+    else:
+      assert cache.drain_backlog() == 5
+    assert failing.failed == 1
+    seen[workers] = (bridge_counters(), cache.backlog_size, hashes(cache))
+    # Every size is served right afterwards; 5 is compiled when asked for.
+    serve_here(mlp, SMALL_SIZES)
+    del compiled
+  assert seen[2] == seen[1]
+  skipped = seen[1][0][backlog.COUNTER_PRECOMPILE_SKIPPED]
+  assert skipped == (0 if strict else 1)
+
+
+def test_a_failing_compile_in_precompile_raises_where_serially(
+    patched_bridge, monkeypatch):
+  seen = {}
+  for workers in (1, 2):
+    monkeypatch.setattr(config, 'compile_workers', workers)
+    failing = FailOnce(rows=5)
+    monkeypatch.setattr(dynamo_bridge, 'compile_graph', failing)
+    torch._dynamo.reset()
+    met.clear_all()
+    compiled = torch.compile(mlp, backend='openxla', dynamic=True)
+    w = xla(torch.randn(8, 4))
+    # 2 and 3 compile and run, then 5 raises; nothing after it happens.
+    with pytest.raises(RuntimeError, match='compile failed for 5 rows'):
+      warmup.precompile(compiled,
+                        [(TensorSpec((n, 8)), w) for n in SMALL_SIZES],
+                        progress=False)
+    seen[workers] = (bridge_counters(), hashes(the_cache()))
+    del compiled
+  assert len(seen[1][1]) == 2
+  assert seen[1][0][dynamo_bridge.COUNTER_MISS] == 3
+  assert seen[2] == seen[1]
+
+
+def sample(x, w):
+  # A random op: each replayed trace must start from the seed a serial
+  # trace starts from, or the program would change.
+  return torch.tanh(x @ w) + torch.rand_like(x @ w) * 0
+
+
+def test_traces_with_random_ops_give_the_serial_programs(indexed, monkeypatch):
+  serve_here(sample, SMALL_SIZES)
+  monkeypatch.setattr(dynamo_bridge, 'compile_graph', SlowCompile())
+  seen = {}
+  for workers in (1, 2):
+    restart(indexed, monkeypatch, workers)
+    compiled = serve_here(sample, [3])
+    seen[workers] = (bridge_counters(), hashes(the_cache()),
+                     torch_xla._XLAC._xla_get_rng_seed())
+    del compiled
+  assert len(seen[1][1]) == len(SMALL_SIZES)
+  assert seen[2] == seen[1]
+
+
+class Accumulate(torch.nn.Module):
+  """Updates a parameter in place: parameters have static sizes, so it is a
+  fixed input of every replay (which traces on zeros: the update changes it
+  all the same)."""
+
+  def __init__(self):
+    super().__init__()
+    self.acc = torch.nn.Parameter(torch.arange(4.), requires_grad=False)
+
+  def forward(self, x):
+    self.acc.add_(x.sum(dim=0) + 1)
+    return torch.tanh(x) * 2, self.acc * 3
+
+
+def serve_accumulate(sizes):
+  torch._dynamo.reset()
+  eager = Accumulate()
+  model = Accumulate().to(torch_xla.device())
+  # dynamo's graph, not functionalized: the in-place update is in the graph
+  # the bridge traces.
+  compiled = torch.compile(model, backend='openxla_eval', dynamic=True)
+  for n in sizes:
+    x = torch.randn(n, 4)
+    got, ref = compiled(xla(x)), eager(x)
+    torch.testing.assert_close(got[0].cpu(), ref[0])
+    torch.testing.assert_close(got[1].cpu(), ref[1])
+    torch.testing.assert_close(model.acc.cpu(), eager.acc)
+  return compiled
+
+
+def test_an_inplace_update_of_an_input_gives_eager_results(
+    indexed, monkeypatch):
+  serve_accumulate(SMALL_SIZES)
+  monkeypatch.setattr(dynamo_bridge, 'compile_graph', SlowCompile())
+  seen = {}
+  for workers in (1, 2):
+    restart(indexed, monkeypatch, workers)
+    # The replay before the first call leaves acc as it was, and every size
+    # is right afterwards.
+    compiled = serve_accumulate([7] + SMALL_SIZES)
+    seen[workers] = (bridge_counters(), hashes(the_cache()))
+    del compiled
+  assert seen[1][0][backlog.COUNTER_PRECOMPILED] == len(SMALL_SIZES) - 1
+  assert seen[2] == seen[1]
+
+
+def test_the_default_is_half_the_cores_at_most_8(monkeypatch):
+  monkeypatch.setattr(config.os, 'sched_getaffinity', lambda pid: range(2))
+  assert config.default_compile_workers() == 1
+  monkeypatch.setattr(config.os, 'sched_getaffinity', lambda pid: range(12))
+  assert config.default_compile_workers() == 6
+  monkeypatch.setattr(config.os, 'sched_getaffinity', lambda pid: range(96))
+  assert config.default_compile_workers() == 8
+  with pytest.raises(config.FlagError,
+                     match=r"XLA_PATCHES_COMPILE_WORKERS \(config.compile_"
+                     r"workers\) is 0; it accepts an integer >= 1"):
+    config.check('compile_workers', 0)
+
+
+# precompile() in a fresh process: a model whose calls update buffers
+# (BatchNorm in training mode: AOTAutograd copies the new running statistics
+# into them after the graph) and a function with a graph break (two graphs
+# per call).
+PRECOMPILE_SCRIPT = r'''
+import hashlib
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla_patches
+from torch_xla_patches import TensorSpec
+from torch_xla_patches import dynamo_bridge
+from bridge_testing import counters
+torch_xla_patches.apply()
+device = torch_xla.device()
+compile_claims = dynamo_bridge.PrecompileCalls.compile
+
+
+def compile_and_tell(calls):
+  compiled = compile_claims(calls)
+  print('claims compiled', compiled.ready)
+  return compiled
+
+
+dynamo_bridge.PrecompileCalls.compile = compile_and_tell
+
+
+def digest(tensor):
+  return hashlib.sha256(tensor.detach().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.BatchNorm1d(24),
+                            torch.nn.GELU(), torch.nn.Linear(24, 12)).to(device)
+compiled = torch.compile(model, backend='openxla', dynamic=True)
+sizes = [2, 3, 5, 6, 7, 9]
+report = torch_xla_patches.precompile(
+    compiled, [(TensorSpec((n, 12)),) for n in sizes], progress=False)
+print('compiles', [r.xla_compiles for r in report])
+print('buffers', digest(model[1].running_mean), digest(model[1].running_var))
+
+
+def two_graphs(x, w):
+  y = torch.tanh(x @ w)
+  torch._dynamo.graph_break()
+  return (y * 2).sum(dim=1) + x.shape[0]
+
+
+compiled_two = torch.compile(two_graphs, backend='openxla', dynamic=True)
+w = torch.randn(12, 5).to(device)
+report = torch_xla_patches.precompile(
+    compiled_two, [(TensorSpec((n, 12)), w) for n in sizes + [3]],
+    progress=False)
+print('compiles', [r.xla_compiles for r in report])
+
+for n in sizes:
+  x = torch.randn(n, 12)
+  print('result', n, digest(compiled(x.to(device))),
+        digest(compiled_two(x.to(device), w)))
+print('buffers', digest(model[1].running_mean), digest(model[1].running_var))
+for name, value in counters().items():
+  print(name, value)
+print('CompileTime', met.metric_data('CompileTime')[0])
+'''
+
+
+def precompile_in_process(workers):
+  proc = run_python(
+      PRECOMPILE_SCRIPT, {
+          'PYTHONPATH': os.pathsep.join([REPO_ROOT, f'{REPO_ROOT}/test']),
+          'XLA_PATCHES_COMPILE_WORKERS': str(workers),
+      })
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout.splitlines()
+
+
+def test_precompile_with_2_workers_equals_the_serial_precompile():
+  serial = precompile_in_process(1)
+  # The first call compiles two programs here; the repeated size of
+  # two_graphs compiles nothing.
+  assert serial[:3] == [
+      'compiles [2, 1, 1, 1, 1, 1]', serial[1], 'compiles [2, 2, 2, 2, 2, 2, 0]'
+  ]
+  assert 'DynamoSignatureMiss 18' in serial
+  parallel = precompile_in_process(2)
+  # Every call but the first stopped at its first graph: one claim per new
+  # size, compiled on the workers.
+  assert [l for l in parallel if l.startswith('claims')
+         ] == ['claims compiled 5', 'claims compiled 5']
+  assert [l for l in parallel if not l.startswith('claims')] == serial
