@@ -66,6 +66,18 @@ def test_serve_compiles_every_bucket_before_it_returns(patched_bridge):
   assert counters()['DynamoSignatureMiss'] == len(BUCKETS) + 1
 
 
+@pytest.mark.requires('torch_aot_compile')
+def test_serve_after_a_torch_compile_call_with_grad_enabled(patched_bridge):
+  # torch 2.9's aot_compile reused the grad mode of the last torch.compile'd
+  # frame and failed its own guard ("GLOBAL_STATE changed: grad_mode").
+  double = torch.compile(lambda x: x * 2, backend='openxla', dynamic=True)
+  assert torch.is_grad_enabled()
+  double(torch.ones(3, device=torch_xla.device()))
+  cpu, model = models(width=12)
+  served = torch_xla_patches.serve(model, BUCKETS[:1])
+  check_against_eager(served, cpu, [(2, 8), (3, 8)])
+
+
 def test_serve_refuses_what_it_cannot_serve(patched_bridge):
   _, model = models(width=8)
   with pytest.raises(ValueError, match='signatures is empty'):

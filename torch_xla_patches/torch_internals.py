@@ -107,7 +107,28 @@ def capture_settings(dynamic: bool, size_oblivious: bool):
   stack = contextlib.ExitStack()
   stack.enter_context(dynamo_config.patch(**dynamo_settings))
   stack.enter_context(fx_config.patch(backed_size_oblivious=size_oblivious))
+  stack.enter_context(_fresh_global_state())
   return stack
+
+
+@contextlib.contextmanager
+def _fresh_global_state():
+  """torch 2.9's aot_compile does not reset dynamo's
+  `convert_frame.initial_global_state`, which the last torch.compile'd frame
+  set: a capture under another grad mode than that frame's then fails its own
+  guard check ("GLOBAL_STATE changed: grad_mode"). None makes dynamo read the
+  state at capture time; the previous value is put back after."""
+  convert_frame = importlib.import_module('torch._dynamo.convert_frame')
+  if not hasattr(convert_frame, 'initial_global_state'):
+    raise TorchInternalsError(
+        'torch_xla_patches: torch._dynamo.convert_frame.initial_global_state '
+        f'is missing from torch {versions.runtime_versions().torch}.')
+  saved = convert_frame.initial_global_state
+  convert_frame.initial_global_state = None
+  try:
+    yield
+  finally:
+    convert_frame.initial_global_state = saved
 
 
 def unwrapped_module(model: Any) -> Any:
