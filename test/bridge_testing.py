@@ -53,6 +53,22 @@ def xla(t: torch.Tensor) -> torch.Tensor:
   return t.detach().clone().to(torch_xla.device())
 
 
+def serve_fresh(fn, sizes, w=None, backend='openxla'):
+  """A fresh dynamo trace of fn(x, w), x of shape (n, 8), served for each n
+  in `sizes`; each result is checked against eager CPU. Returns the
+  compiled function."""
+  torch._dynamo.reset()
+  compiled = torch.compile(fn, backend=backend, dynamic=True)
+  w = torch.randn(8, 4) if w is None else w
+  for n in sizes:
+    x = torch.randn(n, 8)
+    torch.testing.assert_close(compiled(xla(x), xla(w)).cpu(),
+                               fn(x, w),
+                               rtol=1e-4,
+                               atol=1e-4)
+  return compiled
+
+
 def run_python(code: str, env: Dict[str, str] = None, timeout: int = 600):
   """Runs `code` in a fresh interpreter; returns the CompletedProcess."""
   full_env = dict(os.environ)

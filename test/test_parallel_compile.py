@@ -15,7 +15,7 @@ import torch_xla.debug.metrics as met
 
 from torch_xla_patches import (TensorSpec, backlog, config, dynamo_bridge,
                                warmup)
-from bridge_testing import REPO_ROOT, counters, run_python, xla
+from bridge_testing import REPO_ROOT, counters, run_python, serve_fresh, xla
 
 # Records the signatures of SIZES in CACHE_DIR (first process), or replays
 # them all on the first call and serves every size (later processes).
@@ -125,16 +125,7 @@ def restart(tmp_path, monkeypatch, workers):
 
 def serve_here(fn, sizes, backend='openxla'):
   """A fresh dynamo trace of fn(x, w) served at `sizes`; checks results."""
-  torch._dynamo.reset()
-  compiled = torch.compile(fn, backend=backend, dynamic=True)
-  w = torch.randn(8, 4)
-  for n in sizes:
-    x = torch.randn(n, 8)
-    torch.testing.assert_close(compiled(xla(x), xla(w)).cpu(),
-                               fn(x, w),
-                               rtol=1e-4,
-                               atol=1e-4)
-  return compiled
+  return serve_fresh(fn, sizes, backend=backend)
 
 
 def bridge_counters():

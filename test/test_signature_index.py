@@ -18,7 +18,7 @@ from torch_xla_patches import cache as cache_cli
 from torch_xla_patches import (backlog, config, dynamo_bridge, fingerprint,
                                record, signature_index)
 from torch_xla_patches.signature import ArgKind, ArgLayout
-from bridge_testing import REPO_ROOT, counters, run_python, xla
+from bridge_testing import REPO_ROOT, counters, run_python, serve_fresh
 
 SERVE_SCRIPT = r'''
 import sys
@@ -241,16 +241,7 @@ def indexed(patched_bridge, tmp_path, monkeypatch):
 
 def serve_here(sizes, w=None):
   """A fresh dynamo trace of matmul_sum served at `sizes`; checks results."""
-  torch._dynamo.reset()
-  compiled = torch.compile(matmul_sum, backend='openxla', dynamic=True)
-  w = torch.randn(8, 4) if w is None else w
-  for n in sizes:
-    x = torch.randn(n, 8)
-    torch.testing.assert_close(compiled(xla(x), xla(w)).cpu(),
-                               matmul_sum(x, w),
-                               rtol=1e-4,
-                               atol=1e-4)
-  return compiled
+  return serve_fresh(matmul_sum, sizes, w)
 
 
 # A restart that served 3 and 5 serving 3 and 4: 3 traced on the first call,
