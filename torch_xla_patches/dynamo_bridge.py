@@ -36,9 +36,7 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
 
 from torch_xla._dynamo import config as upstream_config
 from torch_xla_patches import config, fingerprint, record, signature_index
-from torch_xla_patches.backlog import (COUNTER_PRECOMPILE_SKIPPED,
-                                       COUNTER_PRECOMPILED, Backlog,
-                                       StartFunction, compile_stats)
+from torch_xla_patches.backlog import Backlog, StartFunction
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
                                          check_scalar_input, describe_arg,
