@@ -35,7 +35,7 @@ LAYERS = (
     # Users of the bridge, through its public methods.
     ('warm-up, serialization and tools', {
         'warmup', 'source_digest', 'artifact', 'serializable_backend',
-        'serialization', 'serving', 'cache'
+        'serialization', 'serving', 'fast_dispatch', 'cache'
     }),
     ('package API', {'__init__'}),
 )

@@ -1,11 +1,14 @@
-"""Per-call host overhead: upstream's bridge vs the patched one, side by side.
+"""Per-call host overhead: upstream's bridge, the patched one and serve(),
+side by side.
 
 A stack of 64 Linear layers (129 graph inputs) compiled with dynamic=True is
-called with 4 batch sizes in rotation. Both bridges run in this one process,
-in interleaved rounds, so machine noise hits both alike. The floor is
-`_run_cached_graph` alone with inputs prepared beforehand (what any bridge
+called with 4 batch sizes in rotation. Every variant runs in this one
+process, in interleaved rounds, so machine noise hits them alike. The floor
+is `_run_cached_graph` alone with inputs prepared beforehand (what any bridge
 must pay); "bridge only" calls the bridge's callable directly with the
-arguments dynamo passes it, without dynamo's own wrapper.
+arguments dynamo passes it, without dynamo's own wrapper. The serve() row
+calls what torch_xla_patches.serve() returns (its fast path, see [Note:
+Served fast path]); its floor is its own program's, run the same way.
 
   python tools/bench_dispatch.py [--calls 400] [--rounds 7] [--json out.json]
 """
@@ -13,8 +16,10 @@ import argparse
 import dataclasses
 import json
 import os
+import importlib
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault('PJRT_DEVICE', 'CPU')
@@ -71,6 +76,32 @@ def time_calls(fn, arg_sets, calls) -> Timing:
   return Timing(wall / calls * 1e6, host / calls * 1e6)
 
 
+def make_served(width, depth, batches, device):
+  """serve() of the same model, whose class must live in a module file (an
+  aot_compile capture needs its source), and its floor: (graph hash, XLA
+  inputs) per batch."""
+  from torch_xla_patches.io_utils import TensorSpec
+  directory = tempfile.mkdtemp(prefix='bench_dispatch_')
+  with open(os.path.join(directory, 'bench_dispatch_served.py'), 'w') as f:
+    f.write(MODEL_SOURCE)
+  sys.path.insert(0, directory)
+  module = importlib.import_module('bench_dispatch_served')
+  torch.manual_seed(0)
+  model = module.LinearStack(width, depth).to(device)
+  served = torch_xla_patches.serve(
+      model, [(TensorSpec((b, width), torch.float32),) for b in batches])
+  backend = served.compiled.backend_callable
+  cache = backend.signature_cache
+  floor = []
+  for batch in batches:
+    with backend.observed_calls() as calls:
+      served.compiled(torch.randn(batch, width, device=device))
+    graph_args = calls[0][0]
+    entry = cache.entries[cache.key_of(graph_args)]
+    floor.append((entry.graph_hash, entry.graph_input_matcher(graph_args)))
+  return served, floor
+
+
 def prepared_graph_runs(captured):
   """(graph hash, XLA inputs) per batch, prepared by the patched bridge.
 
@@ -118,6 +149,18 @@ def capture_bridge(compiled, batches, device, width):
   return captured
 
 
+def served_full_calls(served) -> int:
+  """Calls of `served` that took the full path, by the fallback counters."""
+  from torch_xla_patches import fast_dispatch
+  import torch_xla.debug.metrics as metrics
+  return sum(
+      metrics.counter_value(name) or 0
+      for name in (fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE,
+                   fast_dispatch.COUNTER_FALLBACK_MODULE,
+                   fast_dispatch.COUNTER_FALLBACK_ARGUMENTS,
+                   fast_dispatch.COUNTER_FALLBACK_NO_PLAN))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--calls', type=int, default=400)
@@ -148,7 +191,15 @@ def main(argv=None):
         'inputs': [(x,) for x in inputs],
         'bridge': captured,
     }
-  torch_xla_patches.revert()
+  served, served_floor_sets = make_served(args.width, args.depth, batches,
+                                          device)
+  served_inputs = [(torch.randn(b, args.width, device=device),) for b in batches
+                  ]
+  for x in served_inputs:
+    served(*x)
+  # The patch stays applied while timing: revert() also ends serve()'s
+  # fast path (its module watch). The other variants' callables were made
+  # already; the patch does not touch their per-call path.
   xm.wait_device_ops()
 
   run_cached_graph = torch_xla._XLAC._run_cached_graph
@@ -163,6 +214,12 @@ def main(argv=None):
           time_calls(lambda bridge, a: bridge(*a), bridge_sets, args.calls))
     samples.setdefault('floor', []).append(
         time_calls(run_cached_graph, floor_sets, args.calls))
+    samples.setdefault('serve() call',
+                       []).append(time_calls(served, served_inputs, args.calls))
+    samples.setdefault('serve() floor', []).append(
+        time_calls(run_cached_graph, served_floor_sets, args.calls))
+
+  torch_xla_patches.revert()
 
   def median_of(key, field):
     return statistics.median(getattr(t, field) for t in samples[key])
@@ -174,6 +231,8 @@ def main(argv=None):
       ('upstream bridge only (no dynamo wrapper)', 'upstream bridge only'),
       ('patched bridge only (no dynamo wrapper)', 'patched bridge only'),
       ('floor: _run_cached_graph with prepared inputs', 'floor'),
+      ('serve() call (its fast path)', 'serve() call'),
+      ('floor of serve()\'s program', 'serve() floor'),
   ]
   host = {key: median_of(key, 'host_us') for _, key in labels}
   wall = {key: median_of(key, 'wall_us') for _, key in labels}
@@ -204,6 +263,15 @@ def main(argv=None):
       f'{host["patched torch.compile call"] / host["upstream torch.compile call"]:.2f} | '
       f'{wall["patched torch.compile call"] / wall["upstream torch.compile call"]:.2f} |'
   )
+  print(f'| serve() call / its floor | '
+        f'{host["serve() call"] / host["serve() floor"]:.2f} | '
+        f'{wall["serve() call"] / wall["serve() floor"]:.2f} |')
+  print(f'| patched torch.compile call / floor | '
+        f'{host["patched torch.compile call"] / host["floor"]:.2f} | '
+        f'{wall["patched torch.compile call"] / wall["floor"]:.2f} |')
+  print(f'\nserve(): {served.fast_path.fast_calls} of '
+        f'{served.fast_path.fast_calls + served_full_calls(served)} calls took '
+        'the fast path.')
   if args.json:
     with open(args.json, 'w') as f:
       json.dump({'host_us': host, 'wall_us': wall}, f, indent=2)

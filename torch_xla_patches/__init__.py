@@ -161,9 +161,16 @@ def serve(model, signatures, *, cache_dir: Optional[str] = None):
     returns.
   """
   apply()
-  if cache_dir is not None and not config.cache_dir:
-    with _lock:
+  from torch_xla_patches import fast_dispatch
+  with _lock:
+    if cache_dir is not None and not config.cache_dir:
       _registry.set(config, 'cache_dir', os.fspath(cache_dir))
+    if not fast_dispatch.module_watch.installed:
+      # The fast path of served calls relies on it; see [Note: Served fast
+      # path].
+      for owner, name, replacement in fast_dispatch.module_watch.patches():
+        _registry.set(owner, name, replacement)
+      _registry.on_revert(fast_dispatch.module_watch.install_hooks())
   from torch_xla_patches import serving
   return serving.serve(model, signatures, cache_dir=cache_dir)
 

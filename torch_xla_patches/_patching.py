@@ -7,7 +7,7 @@ revert() restores originals in the reverse order of first patching.
 """
 import dataclasses
 import inspect
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 _MISSING = object()
 
@@ -32,7 +32,9 @@ class PatchRegistry:
 
   def __init__(self):
     # Insertion ordered: revert() walks it backwards.
-    self._originals: Dict[Tuple[int, str], Tuple[PatchTarget, Any]] = {}
+    # (None, undo function) for on_revert entries.
+    self._originals: Dict[Tuple[int, str], Tuple[Optional[PatchTarget],
+                                                 Any]] = {}
 
   def set(self, owner: Any, name: str, value: Any) -> None:
     key = (id(owner), name)
@@ -40,6 +42,11 @@ class PatchRegistry:
       original = getattr(owner, name, _MISSING)
       self._originals[key] = (PatchTarget(owner, name), original)
     setattr(owner, name, value)
+
+  def on_revert(self, undo: Callable[[], None]) -> None:
+    """Calls `undo` in revert_all(), in turn with the attributes set (for a
+    change that is not an attribute: a hook registered with torch)."""
+    self._originals[(id(undo), '')] = (None, undo)
 
   def original(self, owner: Any, name: str) -> Any:
     """The value before patching, or the current value if never patched."""
@@ -50,7 +57,9 @@ class PatchRegistry:
 
   def revert_all(self) -> None:
     for target, original in reversed(list(self._originals.values())):
-      if original is _MISSING:
+      if target is None:
+        original()
+      elif original is _MISSING:
         if hasattr(target.owner, target.name):
           delattr(target.owner, target.name)
       else:

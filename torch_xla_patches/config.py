@@ -291,6 +291,17 @@ compile_workers = _flag('compile_workers',
                         COUNT,
                         changes_program=False)
 
+# The fast path of a served call (fast_dispatch.py) checks what can change
+# cheaply and skips dynamo's guards. With this set, each fast call also runs
+# dynamo's guards, and a call they refuse is counted (ServeVerifyMismatch),
+# reported and served by the full path: a mode for finding a change the fast
+# path cannot see (README, "What the fast path checks").
+serve_verify = _flag('serve_verify',
+                     'XLA_PATCHES_SERVE_VERIFY',
+                     False,
+                     BOOL,
+                     changes_program=False)
+
 # dynamo compiles symbolic-shape guards to C++ by default, which runs a C++
 # compiler on the first call of every dynamic graph, with no per-call gain the
 # benchmarks could measure (README). apply() turns it off unless this is set;

@@ -123,6 +123,11 @@ class GraphInputMatcher:
                                      graph_input_xla_values)
          if tensor_id == seed_id), None)
 
+  @property
+  def draws_seed(self) -> bool:
+    """Whether a call draws a fresh RNG seed into one of the inputs."""
+    return any(value is None for _, value in self._fixed_slots)
+
   def _next_seed(self) -> torch.Tensor:
     seed = torch_xla._XLAC._get_base_seed_as_tensor(self._seed_device)
     # Advance the runtime seed the way torch_xla.sync() does, so random ops
@@ -169,17 +174,27 @@ class OutputPlan:
     object.__setattr__(self, '_source_getter', tuple_getter(self.sources))
 
   def assemble(self, results: List[torch.Tensor], args: Sequence[Any]) -> Any:
+    outputs = self.outputs(results, args)
+    # The bridge's calling convention: a single output is returned bare.
+    return outputs[0] if len(outputs) == 1 else outputs
+
+  def outputs(self, results: List[torch.Tensor],
+              args: Sequence[Any]) -> Sequence[Any]:
+    """Every graph output, in order; applies the in-place updates."""
     for arg_position, result_index in self.inplace_updates:
       args[arg_position].copy_(results[result_index])
     if self._identity:
-      outputs = results
-    else:
-      pool = list(results)
-      pool.extend(self._returned_arg_getter(args))
-      pool.extend(self.constants)
-      outputs = list(self._source_getter(pool))
-    # The bridge's calling convention: a single output is returned bare.
-    return outputs[0] if len(outputs) == 1 else outputs
+      return results
+    pool = list(results)
+    pool.extend(self._returned_arg_getter(args))
+    pool.extend(self.constants)
+    return list(self._source_getter(pool))
+
+  @property
+  def reads_args(self) -> bool:
+    """Whether outputs() needs the call's arguments (in-place updates, or
+    arguments returned as outputs)."""
+    return bool(self.inplace_updates or self.returned_args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -866,6 +881,100 @@ class SignatureCache:
   def drain_backlog(self) -> int:
     """Compiles every queued signature now; returns how many compiled."""
     return self.backlog.drain_all().compiled
+
+  # -- bound programs
+
+  def bound_program(self, args: Sequence[Any],
+                    free_positions: Sequence[int]) -> Optional['BoundProgram']:
+    """The compiled program of the signature of `args`, with every argument
+    outside `free_positions` bound to the tensor `args` holds there now (see
+    [Note: Bound programs]); None if that signature is not compiled, or if
+    its program cannot be bound (it draws a random seed, updates an argument
+    in place, or returns an argument)."""
+    key = self.key_of(args)
+    entry = self.entries.get(key)
+    if entry is None:
+      return None
+    matcher = entry.graph_input_matcher
+    if matcher.draws_seed or entry.output_plan.reads_args:
+      return None
+    free_index = {position: i for i, position in enumerate(free_positions)}
+    inputs = []
+    free_slots = []
+    for slot, (arg_idx, constant) in enumerate(
+        zip(matcher.arg_idxs, matcher.graph_input_xla_values)):
+      if arg_idx is None:
+        inputs.append(constant)
+      elif arg_idx in free_index:
+        if not self.layout.kinds[arg_idx].is_tensor:
+          return None
+        free_slots.append((slot, free_index[arg_idx]))
+        inputs.append(None)
+      else:
+        inputs.append(args[arg_idx])
+    return BoundProgram(self, key, entry, inputs, tuple(free_slots))
+
+
+class BoundProgram:
+  """One compiled signature, run from the free arguments of a call alone.
+
+  [Note: Bound programs]
+  A bound program holds the XLA input list of its signature with every input
+  that is not a free argument filled in: the tensors of the bound arguments
+  (parameters and buffers, by identity) and the graph's constants. A call
+  copies the list, puts the free arguments in their slots and runs the
+  program. It checks nothing of what the bound tensors are: the caller
+  guarantees that the bound arguments are still what the graph would be
+  handed (serving's fast path, through its module watch) and that the free
+  arguments have the signature's shapes. What the bridge's own hit path
+  does around a run is done here too: free tensors with pending IR are
+  synced first, the signature's served count is kept for the index, and the
+  backlog compiles one recorded signature after the call. A run that XLA
+  refuses (a bound tensor with pending IR, an evicted program) raises
+  RuntimeError before anything runs; the caller then goes through the
+  bridge's callable, which recovers.
+
+  Args:
+    cache: the graph's signature cache.
+    key: the signature's key.
+    entry: the signature's compiled entry.
+    inputs: the XLA inputs, None in the free slots.
+    free_slots: (XLA input slot, free argument index) of each free input.
+  """
+
+  def __init__(self, cache: SignatureCache, key: Hashable,
+               entry: CompiledGraphEntry, inputs: List[Any],
+               free_slots: Tuple[Tuple[int, int], ...]):
+    self.key = key
+    self.graph_hash = entry.graph_hash
+    self.num_outputs = len(entry.output_plan.sources)
+    self._inputs = inputs
+    self._free_slots = free_slots
+    self._output_plan = entry.output_plan
+    self._backlog = cache.backlog
+    self._usage = cache.usage
+
+  def __call__(self, free_args: Sequence[torch.Tensor]) -> List[Any]:
+    """Runs the program; returns every graph output, in order."""
+    inputs = self._inputs.copy()
+    for slot, index in self._free_slots:
+      inputs[slot] = free_args[index]
+    plan = self._output_plan
+    if plan.num_results:
+      if not upstream_config.skip_input_data_check:
+        _sync_pending_inputs(free_args)
+      results = torch_xla._XLAC._run_cached_graph(self.graph_hash, inputs)
+    else:
+      results = []
+    outputs = plan.outputs(results, ())
+    usage = self._usage
+    if usage is not None:
+      usage.served[self.key] += 1
+      if time.monotonic() >= usage.next_flush:
+        usage.flush()
+    if self._backlog:
+      self._backlog.after_served_call()
+    return outputs
 
 
 def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:

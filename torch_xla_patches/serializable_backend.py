@@ -10,9 +10,10 @@ signatures the bridge compiled for it (`record.make_record` of each), so a
 loading process replays them (see [Note: Precompile on load]). The graph is
 dynamo's (torch-level ops, before AOTAutograd): inference only.
 """
+import contextlib
 import dataclasses
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -90,6 +91,9 @@ class XlaSerializableCallable(SerializableCallable):
     self._cache = None
     # A record of every signature served here, by key, in first-seen order.
     self._seen: Dict[Any, record.RecordedSignature] = {}
+    # Called with (graph arguments, graph outputs) of each call while
+    # observed (see observed_calls).
+    self._observer: Optional[Callable[[tuple, tuple], None]] = None
 
   def name_source(self, source: str) -> None:
     """Names the file the loaded signatures came from, for messages."""
@@ -110,8 +114,35 @@ class XlaSerializableCallable(SerializableCallable):
     # The bridge unwraps a single output (upstream's convention); dynamo's
     # bytecode indexes the graph's output tuple.
     if self._single_output and not isinstance(out, (tuple, list)):
-      return (out,)
+      out = (out,)
+    if self._observer is not None:
+      self._observer(args, tuple(out))
     return out
+
+  @contextlib.contextmanager
+  def observed_calls(self) -> Iterator[List[Tuple[tuple, tuple]]]:
+    """Within the block, the (graph arguments, graph outputs) of each call,
+    in order."""
+    calls: List[Tuple[tuple, tuple]] = []
+    self._observer = lambda args, outputs: calls.append((args, outputs))
+    try:
+      yield calls
+    finally:
+      self._observer = None
+
+  @property
+  def signature_cache(self) -> Optional[dynamo_bridge.SignatureCache]:
+    """The bridge's cache of the graph; None before the first call, or when
+    the bridge partitioned the graph around CPU fallback ops."""
+    return self._cache
+
+  def placeholder_values(self) -> List[Any]:
+    """The fake value dynamo recorded for each graph argument, in order."""
+    return [
+        node.meta.get('val')
+        for node in self._graph_module.graph.nodes
+        if node.op == 'placeholder'
+    ]
 
   def _compile_first(self, args: List[Any]) -> None:
     self._compiled = dynamo_bridge.extract_compiled_graph(

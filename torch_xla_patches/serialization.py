@@ -109,6 +109,21 @@ class CompiledModel:
   def backend_callable(self) -> XlaSerializableCallable:
     return torch_internals.aot_artifacts(self.aot_fn).compiled_fn
 
+  def guard_check(self, *args) -> bool:
+    """Whether dynamo's guards accept a call with `args`: False means the
+    captured code does not apply and calling would raise. Checked under
+    no_grad, as calls run."""
+    with torch.no_grad():
+      if self.bound_method:
+        return self.aot_fn.guard_check(self.model, *args)
+      return self.aot_fn.guard_check(*args)
+
+  @property
+  def transformed_code(self) -> Any:
+    """The code object dynamo made of the captured function: it reads the
+    graph's arguments, calls the compiled graph and builds the result."""
+    return torch_internals.aot_artifacts(self.aot_fn).bytecode
+
 
 def aot_compile(model: Any,
                 args: Sequence[Any],

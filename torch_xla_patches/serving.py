@@ -35,6 +35,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from torch_xla_patches import config
+from torch_xla_patches import fast_dispatch
 from torch_xla_patches import io_utils
 from torch_xla_patches import runtime
 from torch_xla_patches import serialization
@@ -139,9 +140,14 @@ def _why_not_found(path: str, model: torch.nn.Module) -> str:
 class ServedModel:
   """What serve() returns: call it like the model.
 
+  A call takes the fast path (see [Note: Served fast path]) when it can, and
+  otherwise the full path: the captured code with dynamo's guards, or, where
+  those refuse the call, a re-trace with torch.compile. Calls run without
+  autograd whatever the grad mode.
+
   Args:
     compiled: the compiled callable (an aot_compile'd CompiledModel, or a
-      torch.compile'd module on torch 2.8).
+      torch.compile'd module on torch 2.8, which has no fast path).
     model: the served module.
     artifact: the artifact path this process loaded or wrote, or None.
     loaded: whether the artifact was loaded (no dynamo frame).
@@ -153,10 +159,44 @@ class ServedModel:
     self.model = model
     self.artifact = artifact
     self.loaded = loaded
+    self.fast_path = (fast_dispatch.FastPath(compiled, model) if isinstance(
+        compiled, serialization.CompiledModel) else None)
+    self._retraced = None
 
   def __call__(self, *args):
+    fast_path = self.fast_path
+    if fast_path is not None:
+      result = fast_path.run(args)
+      if result is not fast_dispatch.NOT_RUN:
+        return result
+    return self._full_call(args)
+
+  def _full_call(self, args: Sequence[Any]) -> Any:
+    compiled = self.compiled
+    if self.fast_path is None:
+      with torch.no_grad():
+        return compiled(*args)
+    if not compiled.guard_check(*args):
+      return self._retrace(args)
+    with compiled.backend_callable.observed_calls() as calls:
+      result = compiled(*args)
+    self.fast_path.learn(args, result, calls)
+    return result
+
+  def _retrace(self, args: Sequence[Any]) -> Any:
+    """Serves a call the captured code does not apply to (another dtype, a
+    changed module, ...) as torch.compile would: dynamo traces it again."""
+    fast_dispatch.count_retrace()
+    if self._retraced is None:
+      logger.info(
+          'torch_xla_patches.serve: dynamo\'s guards refused a call of %s; '
+          'tracing it again with torch.compile (once per change)',
+          type(self.model).__name__)
+      self._retraced = torch.compile(self.model,
+                                     backend='openxla',
+                                     dynamic=True)
     with torch.no_grad():
-      return self.compiled(*args)
+      return self._retraced(*args)
 
 
 def _compile_buckets(served: ServedModel, buckets: Sequence[tuple]) -> None:

@@ -19,7 +19,7 @@ package but `versions`.
 import contextlib
 import functools
 import importlib
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 from torch_xla_patches import versions
 
@@ -96,17 +96,22 @@ def graph_pickler() -> Tuple[Type, Type]:
 
 def capture_settings(dynamic: bool, size_oblivious: bool):
   """A context manager with the dynamo and FX settings aot_compile captures
-  under: aot_compile enabled, every size symbolic (`dynamic`), and symbolic
-  sizes guarded as `0 <= size` rather than `2 <= size` (`size_oblivious`)."""
+  under: aot_compile enabled, every size symbolic (`dynamic`) with a symbol
+  of its own (no duck sizing: a size of the example equal to another, such
+  as a batch of 16 into Linear(16, ...), would share its symbol and be
+  specialized with it), and symbolic sizes guarded as `0 <= size` rather
+  than `2 <= size` (`size_oblivious`)."""
   dynamo_config = _config('torch._dynamo.config', ('enable_aot_compile',))
   fx_config = _config('torch.fx.experimental._config',
-                      ('backed_size_oblivious',))
+                      ('backed_size_oblivious', 'use_duck_shape'))
   dynamo_settings = {'enable_aot_compile': True}
+  fx_settings = {'backed_size_oblivious': size_oblivious}
   if dynamic:
     dynamo_settings['assume_static_by_default'] = False
+    fx_settings['use_duck_shape'] = False
   stack = contextlib.ExitStack()
   stack.enter_context(dynamo_config.patch(**dynamo_settings))
-  stack.enter_context(fx_config.patch(backed_size_oblivious=size_oblivious))
+  stack.enter_context(fx_config.patch(**fx_settings))
   stack.enter_context(_fresh_global_state())
   return stack
 
@@ -203,3 +208,46 @@ def decomposition(op: Any) -> Callable[..., Any]:
 def has_symbolic_sizes_strides(tensor: Any) -> bool:
   """Whether a size or stride of `tensor` is symbolic (a SymInt)."""
   return tensor._has_symbolic_sizes_strides
+
+
+# Serving's fast path: see [Note: Served fast path] in fast_dispatch.py.
+
+
+def global_state_guard() -> Any:
+  """dynamo's check of the global state a graph was captured under (grad
+  mode, autocast, torch-function enablement, default dtype, deterministic
+  algorithms, ...): the object made now has `check()`, True while that state
+  is unchanged."""
+  return _attribute('torch._C._dynamo.guards', 'GlobalStateGuard')()
+
+
+def torch_function_mode_depth() -> Callable[[], int]:
+  """The function telling how many torch-function modes are active."""
+  return _attribute('torch._C', '_len_torch_function_stack')
+
+
+def global_module_forward_hooks() -> Tuple[Dict[int, Any], ...]:
+  """The dicts of forward hooks registered for every nn.Module at once
+  (`register_module_forward_hook` and `..._pre_hook`); torch mutates them
+  in place, so the dicts returned stay current."""
+  return (_attribute('torch.nn.modules.module', '_global_forward_hooks'),
+          _attribute('torch.nn.modules.module', '_global_forward_pre_hooks'))
+
+
+def module_conversion_method() -> Tuple[Any, str]:
+  """(nn.Module, name) of the method every dtype and device conversion of a
+  module goes through (`to`, `half`, `float`, `cpu`, ...): it may replace a
+  parameter's data without any registration hook seeing it."""
+  import torch
+  if not callable(getattr(torch.nn.Module, '_apply', None)):
+    raise _missing('torch.nn.Module._apply')
+  return torch.nn.Module, '_apply'
+
+
+def pytree() -> Tuple[Callable[[Any], Tuple[List[Any], Any]], Callable[
+    [List[Any], Any], Any]]:
+  """torch's pytree (tree_flatten, tree_unflatten), which knows the output
+  containers torch and its libraries register (dicts, named tuples,
+  Hugging Face's ModelOutput)."""
+  return (_attribute('torch.utils._pytree', 'tree_flatten'),
+          _attribute('torch.utils._pytree', 'tree_unflatten'))

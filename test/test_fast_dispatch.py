@@ -1,0 +1,432 @@
+"""The fast path of served calls: after every change dynamo's guards would
+see, the result equals eager and the counters say which path served it."""
+import os
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+from hypothesis import given, strategies as st
+
+import torch_xla_patches
+from torch_xla_patches import TensorSpec, config, fast_dispatch
+
+pytestmark = pytest.mark.requires('torch_aot_compile')
+
+WIDTH = 8
+
+
+class Net(torch.nn.Module):
+  """Deterministic in both modes; BatchNorm reads `training`."""
+
+  def __init__(self, width=WIDTH):
+    super().__init__()
+    self.first = torch.nn.Linear(width, width)
+    self.norm = torch.nn.BatchNorm1d(width)
+    self.second = torch.nn.Linear(width, width)
+
+  def forward(self, x):
+    x = x.to(self.first.weight.dtype)
+    return self.second(torch.relu(self.norm(self.first(x))))
+
+
+class Pair(torch.nn.Module):
+  """Returns a dict and an argument: the result is rebuilt, not the graph's
+  output tuple."""
+
+  def __init__(self, width=WIDTH):
+    super().__init__()
+    self.proj = torch.nn.Linear(width, width)
+
+  def forward(self, x, y):
+    return {'sum': self.proj(x) + y.sum(), 'y': y}, self.proj(x).relu()
+
+
+class Counting(torch.nn.Module):
+  """A side effect dynamo's code replays after the graph."""
+
+  def __init__(self, width=WIDTH):
+    super().__init__()
+    self.proj = torch.nn.Linear(width, width)
+    self.calls = 0
+
+  def forward(self, x):
+    self.calls += 1
+    return self.proj(x)
+
+
+class Noisy(torch.nn.Module):
+  """Draws random numbers: its program takes a fresh seed per call."""
+
+  def __init__(self, width=WIDTH):
+    super().__init__()
+    self.proj = torch.nn.Linear(width, width)
+
+  def forward(self, x):
+    return self.proj(x) + torch.rand_like(x)
+
+
+SERVE_COUNTERS = (
+    fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE,
+    fast_dispatch.COUNTER_FALLBACK_MODULE,
+    fast_dispatch.COUNTER_FALLBACK_ARGUMENTS,
+    fast_dispatch.COUNTER_FALLBACK_NO_PLAN,
+    fast_dispatch.COUNTER_BRIDGE_RECOVERY,
+    fast_dispatch.COUNTER_RETRACE,
+    fast_dispatch.COUNTER_VERIFY_MISMATCH,
+)
+
+
+class Paths:
+  """Which paths served the calls since the last look: the fast calls and
+  the counters that changed."""
+
+  def __init__(self, served):
+    self._served = served
+    self._last = self._now()
+
+  def _now(self):
+    values = {name: met.counter_value(name) or 0 for name in SERVE_COUNTERS}
+    values['fast'] = self._served.fast_path.fast_calls
+    return values
+
+  def since_last(self):
+    now = self._now()
+    changed = {
+        name: now[name] - self._last[name]
+        for name in now
+        if now[name] != self._last[name]
+    }
+    self._last = now
+    return changed
+
+
+def xla(t):
+  return t.to(torch_xla.device())
+
+
+def served_net(buckets=(4, 6, WIDTH), cls=Net):
+  torch.manual_seed(0)
+  cpu = cls().eval()
+  model = cls().to(torch_xla.device()).eval()
+  model.load_state_dict(cpu.state_dict())
+  served = torch_xla_patches.serve(
+      model, [(TensorSpec((b, WIDTH), torch.float32),) for b in buckets])
+  return cpu, model, served
+
+
+def check(served, cpu, x, **tolerances):
+  with torch.no_grad():
+    expected = cpu(x)
+  result = served(xla(x))
+  assert not result.requires_grad
+  torch.testing.assert_close(result.cpu(), expected, **tolerances)
+
+
+def test_bucket_calls_take_the_fast_path(patched_bridge):
+  # Batch WIDTH equals the Linear's width: captured with duck sizing, that
+  # bucket would specialize the graph and every other bucket re-trace.
+  cpu, _, served = served_net()
+  paths = Paths(served)
+  for batch in (4, 6, WIDTH, 4):
+    check(served, cpu, torch.randn(batch, WIDTH))
+  assert paths.since_last() == {'fast': 4}
+  # A new shape is served by the full path once (dynamo's shape guards
+  # accept it), then by the fast path.
+  check(served, cpu, torch.randn(5, WIDTH))
+  check(served, cpu, torch.randn(5, WIDTH))
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
+      'fast': 1
+  }
+
+
+def test_train_and_eval(patched_bridge):
+  cpu, model, served = served_net()
+  paths = Paths(served)
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {'fast': 1}
+  # BatchNorm normalizes by the batch and updates its running statistics in
+  # training mode: dynamo's guard on `training` fails, the call re-traces.
+  model.train()
+  cpu.train()
+  x = torch.randn(4, WIDTH)
+  check(served, cpu, x, rtol=1e-4, atol=1e-4)
+  torch.testing.assert_close(model.norm.running_mean.cpu(),
+                             cpu.norm.running_mean)
+  # torch_xla's BatchNorm updates running_var with the biased batch variance
+  # (eager on XLA does the same), CPU with the unbiased one.
+  cpu.norm.running_var.copy_(model.norm.running_var.cpu())
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_MODULE: 1,
+      fast_dispatch.COUNTER_RETRACE: 1
+  }
+  model.eval()
+  cpu.eval()
+  check(served, cpu, torch.randn(4, WIDTH))
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_MODULE: 1,
+      'fast': 1
+  }
+
+
+def test_an_in_place_weight_update(patched_bridge):
+  cpu, model, served = served_net()
+  paths = Paths(served)
+  check(served, cpu, torch.randn(4, WIDTH))
+  with torch.no_grad():
+    model.first.weight.mul_(-2.0)
+    cpu.first.weight.mul_(-2.0)
+  # The weight has pending IR: XLA refuses the bound program, the bridge
+  # syncs it and runs; the next call learns the program again.
+  check(served, cpu, torch.randn(4, WIDTH))
+  check(served, cpu, torch.randn(4, WIDTH))
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {
+      'fast': 3,
+      fast_dispatch.COUNTER_BRIDGE_RECOVERY: 1,
+      fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1
+  }
+
+
+def test_a_swapped_parameter_and_a_replaced_submodule(patched_bridge):
+  cpu, model, served = served_net()
+  paths = Paths(served)
+  check(served, cpu, torch.randn(4, WIDTH))
+  weight = torch.randn(WIDTH, WIDTH)
+  model.first.weight = torch.nn.Parameter(xla(weight))
+  cpu.first.weight = torch.nn.Parameter(weight)
+  check(served, cpu, torch.randn(4, WIDTH))
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {
+      'fast': 2,
+      fast_dispatch.COUNTER_FALLBACK_MODULE: 1
+  }
+  torch.manual_seed(1)
+  second = torch.nn.Linear(WIDTH, WIDTH)
+  cpu.second = second
+  model.second = torch.nn.Linear(WIDTH, WIDTH).to(torch_xla.device())
+  model.second.load_state_dict(second.state_dict())
+  # An unused new submodule changes nothing the graph reads.
+  model.extra = torch.nn.Linear(2, 2)
+  check(served, cpu, torch.randn(6, WIDTH))
+  check(served, cpu, torch.randn(6, WIDTH))
+  assert paths.since_last() == {
+      'fast': 1,
+      fast_dispatch.COUNTER_FALLBACK_MODULE: 1
+  }
+
+
+def test_grad_mode_autocast_and_function_modes(patched_bridge):
+  cpu, _, served = served_net()
+  paths = Paths(served)
+  # Served calls run without autograd in any grad mode, so the fast path
+  # serves both.
+  with torch.no_grad():
+    check(served, cpu, torch.randn(4, WIDTH))
+  with torch.enable_grad():
+    check(served, cpu, torch.randn(4, WIDTH))
+  with torch.inference_mode():
+    check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {'fast': 3}
+  x = torch.randn(4, WIDTH)
+  with torch.autocast('xla', dtype=torch.bfloat16):
+    result = served(xla(x))
+  with torch.autocast('cpu', dtype=torch.bfloat16), torch.no_grad():
+    expected = cpu(x)
+  assert result.dtype == expected.dtype == torch.bfloat16
+  torch.testing.assert_close(result.cpu(), expected, rtol=0.05, atol=0.05)
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE: 1,
+      fast_dispatch.COUNTER_RETRACE: 1
+  }
+
+  class Negate(torch.overrides.TorchFunctionMode):
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+      result = func(*args, **(kwargs or {}))
+      return -result if func is torch.nn.functional.linear else result
+
+  x = torch.randn(4, WIDTH)
+  with Negate(), torch.no_grad():
+    expected = cpu(x)
+    result = served(xla(x))
+  torch.testing.assert_close(result.cpu(), expected)
+  counted = paths.since_last()
+  assert counted[fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE] == 1
+  assert 'fast' not in counted
+
+
+def test_another_dtype_device_or_requires_grad(patched_bridge):
+  cpu, _, served = served_net()
+  paths = Paths(served)
+  check(served, cpu, torch.randn(4, WIDTH))
+  check(served, cpu, torch.randn(4, WIDTH, dtype=torch.float64))
+  assert paths.since_last() == {
+      'fast': 1,
+      fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
+      fast_dispatch.COUNTER_RETRACE: 1
+  }
+  check(served, cpu, torch.randn(4, WIDTH).requires_grad_())
+  assert paths.since_last()[fast_dispatch.COUNTER_FALLBACK_ARGUMENTS] == 1
+  # Eager refuses a CPU input to a model on the XLA device; so does a served
+  # call, whichever path it takes.
+  with pytest.raises(RuntimeError):
+    cpu.to(torch_xla.device())(torch.randn(4, WIDTH))
+  with pytest.raises(Exception):
+    served(torch.randn(4, WIDTH))
+  assert paths.since_last()[fast_dispatch.COUNTER_FALLBACK_ARGUMENTS] == 1
+
+
+def test_a_dtype_conversion_of_the_model(patched_bridge):
+  cpu, model, served = served_net()
+  paths = Paths(served)
+  check(served, cpu, torch.randn(4, WIDTH))
+  # to(dtype) replaces each parameter's data in place: no registration hook
+  # sees it, the module watch does.
+  model.double()
+  cpu.double()
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {
+      'fast': 1,
+      fast_dispatch.COUNTER_FALLBACK_MODULE: 1,
+      fast_dispatch.COUNTER_RETRACE: 1
+  }
+
+
+@given(batches=st.lists(st.integers(2, 12), min_size=1, max_size=6))
+def test_random_shapes_equal_eager(batches):
+  torch_xla_patches.apply()
+  try:
+    if not hasattr(test_random_shapes_equal_eager, 'served'):
+      test_random_shapes_equal_eager.served = served_net(buckets=(4,))
+    cpu, _, served = test_random_shapes_equal_eager.served
+    for batch in batches:
+      check(served, cpu, torch.randn(batch, WIDTH), rtol=1e-4, atol=1e-4)
+  finally:
+    torch_xla_patches.revert()
+
+
+def test_a_dict_result_and_a_returned_argument(patched_bridge):
+  torch.manual_seed(0)
+  cpu = Pair()
+  model = Pair().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  served = torch_xla_patches.serve(model, [(TensorSpec(
+      (4, WIDTH), torch.float32), TensorSpec((3,), torch.float32))])
+  paths = Paths(served)
+  for _ in range(2):
+    x, y = torch.randn(4, WIDTH), torch.randn(3)
+    y_xla = xla(y)
+    (parts, relu) = served(xla(x), y_xla)
+    with torch.no_grad():
+      (expected_parts, expected_relu) = cpu(x, y)
+    assert sorted(parts) == ['sum', 'y']
+    assert parts['y'] is y_xla
+    torch.testing.assert_close(parts['sum'].cpu(), expected_parts['sum'])
+    torch.testing.assert_close(relu.cpu(), expected_relu)
+  assert paths.since_last() == {'fast': 2}
+
+
+def test_captured_side_effects_keep_the_full_path(patched_bridge, caplog):
+  torch.manual_seed(0)
+  model = Counting().to(torch_xla.device())
+  served = torch_xla_patches.serve(model, [(TensorSpec(
+      (4, WIDTH), torch.float32),)])
+  assert 'does more than call the graph' in served.fast_path.disabled_reason
+  paths = Paths(served)
+  calls = model.calls
+  x = xla(torch.randn(4, WIDTH))
+  torch.testing.assert_close(served(x).cpu(), model.proj(x).detach().cpu())
+  served(x)
+  assert model.calls == calls + 2
+  # dynamo guards the counter's value, so the captured code no longer
+  # applies once it changed: torch.compile serves such calls.
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_NO_PLAN: 2,
+      fast_dispatch.COUNTER_RETRACE: 2
+  }
+
+
+def test_random_ops_draw_a_seed_per_call(patched_bridge):
+  torch.manual_seed(0)
+  model = Noisy().to(torch_xla.device())
+  served = torch_xla_patches.serve(model, [(TensorSpec(
+      (4, WIDTH), torch.float32),)])
+  paths = Paths(served)
+  x = xla(torch.randn(4, WIDTH))
+  first, second = served(x).cpu(), served(x).cpu()
+  noise = first - model.proj(x).detach().cpu()
+  assert not torch.equal(first, second)
+  assert bool(((noise >= 0) & (noise < 1)).all())
+  assert paths.since_last() == {'fast': 2}
+
+
+def test_verify_mode_finds_a_change_the_fast_path_cannot_see(
+    patched_bridge, monkeypatch, caplog):
+  cpu, model, served = served_net()
+  paths = Paths(served)
+  check(served, cpu, torch.randn(4, WIDTH))
+  # Assigning `training` directly (not through train()) is not watched.
+  monkeypatch.setattr(config, 'serve_verify', True)
+  model.norm.training = True
+  cpu.norm.training = True
+  check(served, cpu, torch.randn(4, WIDTH), rtol=1e-4, atol=1e-4)
+  assert 'guards refused a call of Net that the fast path would have' in (
+      caplog.text)
+  assert paths.since_last() == {
+      'fast': 1,
+      fast_dispatch.COUNTER_VERIFY_MISMATCH: 1,
+      fast_dispatch.COUNTER_RETRACE: 1
+  }
+
+
+def test_revert_ends_the_fast_path(patched_bridge):
+  cpu, _, served = served_net()
+  paths = Paths(served)
+  check(served, cpu, torch.randn(4, WIDTH))
+  torch_xla_patches.revert()
+  check(served, cpu, torch.randn(4, WIDTH))
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {
+      'fast': 1,
+      fast_dispatch.COUNTER_FALLBACK_MODULE: 2
+  }
+
+
+def test_a_loaded_artifact_takes_the_fast_path(patched_bridge, tmp_path):
+  cpu, model, first = served_net(buckets=(4, 6))
+  assert not first.loaded
+  served = torch_xla_patches.serve(
+      model, [(TensorSpec((b, WIDTH), torch.float32),) for b in (4, 6)],
+      cache_dir=tmp_path)
+  again = torch_xla_patches.serve(
+      model, [(TensorSpec((b, WIDTH), torch.float32),) for b in (4, 6)],
+      cache_dir=tmp_path)
+  assert again.loaded and not served.loaded
+  paths = Paths(again)
+  for batch in (4, 6):
+    check(again, cpu, torch.randn(batch, WIDTH))
+  assert paths.since_last() == {'fast': 2}
+
+
+def test_the_plan_is_checked_against_the_full_path():
+  model = torch.nn.Linear(2, 2)
+  x = torch.randn(3, 2)
+  stray = torch.randn(2)
+  with pytest.raises(fast_dispatch.PlanError,
+                     match='graph argument 1 is a tensor that is neither a '
+                     'call argument nor a parameter or buffer of the model'):
+    fast_dispatch.ArgumentPlan.of_call(model, (x,), (x, stray), [])
+  with pytest.raises(fast_dispatch.PlanError,
+                     match=r'graph argument 1 \(int\) is not a size of a call '
+                     'argument'):
+    fast_dispatch.ArgumentPlan.of_call(model, (x,), (x, 3), [])
+  plan = fast_dispatch.ArgumentPlan.of_call(model, (x,),
+                                            (model.weight, x, model.bias), [])
+  assert plan.user_positions == ((1, 0),)
+  y = torch.randn(5, 2)
+  rebuilt = plan.graph_args((y,))
+  assert rebuilt[0] is model.weight and rebuilt[1] is y
+  assert rebuilt[2] is model.bias
