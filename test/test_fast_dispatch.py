@@ -430,3 +430,47 @@ def test_the_plan_is_checked_against_the_full_path():
   rebuilt = plan.graph_args((y,))
   assert rebuilt[0] is model.weight and rebuilt[1] is y
   assert rebuilt[2] is model.bias
+
+
+def test_a_global_forward_hook_takes_the_full_path(patched_bridge):
+  cpu, _, served = served_net()
+  paths = Paths(served)
+  # A hook that returns None leaves every output as it is.
+  handle = torch.nn.modules.module.register_module_forward_hook(
+      lambda module, args, output: None)
+  try:
+    check(served, cpu, torch.randn(4, WIDTH))
+    check(served, cpu, torch.randn(4, WIDTH))
+  finally:
+    handle.remove()
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {
+      'fast': 1,
+      fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE: 2
+  }
+
+
+def test_aliased_arguments_take_the_full_path(patched_bridge):
+  torch.manual_seed(0)
+  cpu = Pair()
+  model = Pair().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  served = torch_xla_patches.serve(model, [(TensorSpec(
+      (WIDTH, WIDTH), torch.float32), TensorSpec(
+          (WIDTH, WIDTH), torch.float32))])
+  paths = Paths(served)
+  x = torch.randn(WIDTH, WIDTH)
+  for _ in range(2):
+    x_xla = xla(x)
+    parts, _ = served(x_xla, x_xla)
+    with torch.no_grad():
+      expected, _ = cpu(x, x)
+    assert parts['y'] is x_xla
+    torch.testing.assert_close(parts['sum'].cpu(), expected['sum'])
+  # dynamo's guards refuse the aliasing the capture did not have.
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 2,
+      fast_dispatch.COUNTER_RETRACE: 2
+  }
+  with pytest.raises(fast_dispatch.PlanError, match='one tensor as two'):
+    fast_dispatch.ArgumentPlan.of_call(model, (x, x), (x,), [])

@@ -209,6 +209,9 @@ class ArgumentPlan:
     """The plan of a full call that handed the graph `graph_args`; checked
     against them. Raises PlanError naming the argument it cannot place."""
     user_index = {id(arg): i for i, arg in enumerate(user_args)}
+    if len(user_index) != len(user_args):
+      # dynamo guards that the arguments stay aliased; the key cannot.
+      raise PlanError('the call passed one tensor as two arguments')
     state = {
         id(tensor)
         for tensor in list(model.parameters()) + list(model.buffers())
@@ -304,8 +307,16 @@ def _bare_output(index: int) -> OutputMap:
 
 def user_key(args: Sequence[Any]) -> Optional[Hashable]:
   """What the fast path keys a call on: each argument's type, shape, dtype,
-  device and requires_grad; None if an argument is not a tensor."""
+  device and requires_grad; None if an argument is not a tensor, or if one
+  tensor is passed as two arguments (dynamo guards aliasing, the key cannot
+  show it)."""
   try:
+    if len(args) == 1:
+      # The common case, without building a list.
+      (arg,) = args
+      return (type(arg), arg.shape, arg.dtype, arg.device, arg.requires_grad)
+    if len(set(map(id, args))) != len(args):
+      return None
     return tuple([(type(arg), arg.shape, arg.dtype, arg.device,
                    arg.requires_grad) for arg in args])
   except AttributeError:
@@ -347,6 +358,7 @@ class FastPath:
     self._plan: Optional[ArgumentPlan] = None
     self._runs: Dict[Hashable, Callable[[Sequence[Any]], Any]] = {}
     self._warned_verify = False
+    self._last_plan_error: Optional[str] = None
     # Calls served by the fast path.
     self.fast_calls = 0
     module_watch.watch(model)
@@ -365,8 +377,13 @@ class FastPath:
       _increment_counter(COUNTER_FALLBACK_NO_PLAN, 1)
       return NOT_RUN
     states = self._global_states
-    if (not (states[0].check() or states[1].check()) or
-        self._function_mode_depth() or self._global_hooks[0] or
+    if not states[0].check():
+      if not states[1].check():
+        _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
+        return NOT_RUN
+      # The caller switched grad mode: check its mode first from now on.
+      self._global_states = (states[1], states[0])
+    if (self._function_mode_depth() or self._global_hooks[0] or
         self._global_hooks[1]):
       _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
       return NOT_RUN
@@ -426,8 +443,13 @@ class FastPath:
         self._runs[key] = self._make_run(key, args, graph_args, result,
                                          graph_outputs)
     except PlanError as e:
+      # Learned again from the next full call.
       self._plan = None
-      self._disable(str(e))
+      if str(e) != self._last_plan_error:
+        self._last_plan_error = str(e)
+        logger.info(
+            'torch_xla_patches.serve: no fast path for calls of %s yet: %s',
+            type(self._model).__name__, e)
 
   def _make_run(self, key: Hashable, args: Sequence[Any],
                 graph_args: Sequence[Any], result: Any,
