@@ -295,17 +295,26 @@ def test_a_dtype_conversion_of_the_model(patched_bridge):
   }
 
 
-@given(batches=st.lists(st.integers(2, 12), min_size=1, max_size=6))
-def test_random_shapes_equal_eager(batches):
-  torch_xla_patches.apply()
-  try:
-    if not hasattr(test_random_shapes_equal_eager, 'served'):
-      test_random_shapes_equal_eager.served = served_net(buckets=(4,))
-    cpu, _, served = test_random_shapes_equal_eager.served
+def test_random_shapes_equal_eager(patched_bridge):
+  cpu, _, served = served_net(buckets=(4,))
+  paths = Paths(served)
+  seen = {4}
+  calls = [0]
+
+  @given(batches=st.lists(st.integers(2, 12), min_size=1, max_size=6))
+  def check_batches(batches):
     for batch in batches:
       check(served, cpu, torch.randn(batch, WIDTH), rtol=1e-4, atol=1e-4)
-  finally:
-    torch_xla_patches.revert()
+      calls[0] += 1
+      seen.add(batch)
+
+  check_batches()
+  # Each new size took the full path once; every other call the fast path.
+  counted = paths.since_last()
+  new_sizes = len(seen) - 1
+  assert counted.get(fast_dispatch.COUNTER_FALLBACK_ARGUMENTS, 0) == new_sizes
+  assert counted.get('fast', 0) == calls[0] - new_sizes
+  assert set(counted) <= {'fast', fast_dispatch.COUNTER_FALLBACK_ARGUMENTS}
 
 
 def test_a_dict_result_and_a_returned_argument(patched_bridge):
