@@ -191,6 +191,11 @@ class OutputPlan:
     return list(self._source_getter(pool))
 
   @property
+  def outputs_are_results(self) -> bool:
+    """Whether the graph's outputs are the run's results, in order."""
+    return self._identity and not self.inplace_updates
+
+  @property
   def reads_args(self) -> bool:
     """Whether outputs() needs the call's arguments (in-place updates, or
     arguments returned as outputs)."""
@@ -951,6 +956,7 @@ class BoundProgram:
     self._inputs = inputs
     self._free_slots = free_slots
     self._output_plan = entry.output_plan
+    self._outputs_are_results = entry.output_plan.outputs_are_results
     self._backlog = cache.backlog
     self._usage = cache.usage
 
@@ -966,7 +972,8 @@ class BoundProgram:
       results = torch_xla._XLAC._run_cached_graph(self.graph_hash, inputs)
     else:
       results = []
-    outputs = plan.outputs(results, ())
+    outputs = (results if self._outputs_are_results else plan.outputs(
+        results, ()))
     usage = self._usage
     if usage is not None:
       usage.served[self.key] += 1
