@@ -216,6 +216,12 @@ def test_a_swapped_parameter_and_a_replaced_submodule(patched_bridge):
       'fast': 1,
       fast_dispatch.COUNTER_FALLBACK_MODULE: 1
   }
+  # The new submodule is watched too.
+  weight = torch.randn(WIDTH, WIDTH)
+  model.second.weight = torch.nn.Parameter(xla(weight))
+  cpu.second.weight = torch.nn.Parameter(weight)
+  check(served, cpu, torch.randn(6, WIDTH))
+  assert paths.since_last() == {fast_dispatch.COUNTER_FALLBACK_MODULE: 1}
 
 
 def test_grad_mode_autocast_and_function_modes(patched_bridge):

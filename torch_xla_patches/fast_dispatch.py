@@ -437,6 +437,8 @@ class FastPath:
         self._plan = None
         self._plan = ArgumentPlan.of_call(self._model, args, graph_args,
                                           self._backend.placeholder_values())
+        # Submodules added since the last plan are watched from now on.
+        module_watch.watch(self._model)
         self._generation = module_watch.generation
       key = user_key(args)
       if key is not None and key not in self._runs:
