@@ -123,6 +123,28 @@ def check(served, cpu, x, **tolerances):
   torch.testing.assert_close(result.cpu(), expected, **tolerances)
 
 
+def served_after_a_fast_call():
+  """served_net(), and the Paths of a first bucket call (the fast path)."""
+  cpu, model, served = served_net()
+  paths = Paths(served)
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {'fast': 1}
+  return cpu, model, served, paths
+
+
+def check_calls(served, cpu, count, batch=4):
+  for _ in range(count):
+    check(served, cpu, torch.randn(batch, WIDTH))
+
+
+def full_then_fast(paths, served, cpu, batch, counter):
+  """Two calls of one batch size after a change: the first served by the
+  full path (counted by `counter`), the second by the fast path."""
+  check(served, cpu, torch.randn(batch, WIDTH))
+  check(served, cpu, torch.randn(batch, WIDTH))
+  assert paths.since_last() == {counter: 1, 'fast': 1}
+
+
 def test_bucket_calls_take_the_fast_path(patched_bridge):
   # Batch WIDTH equals the Linear's width: captured with duck sizing, that
   # bucket would specialize the graph and every other bucket re-trace.
@@ -133,19 +155,12 @@ def test_bucket_calls_take_the_fast_path(patched_bridge):
   assert paths.since_last() == {'fast': 4}
   # A new shape is served by the full path once (dynamo's shape guards
   # accept it), then by the fast path.
-  check(served, cpu, torch.randn(5, WIDTH))
-  check(served, cpu, torch.randn(5, WIDTH))
-  assert paths.since_last() == {
-      fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
-      'fast': 1
-  }
+  full_then_fast(paths, served, cpu, 5,
+                 fast_dispatch.COUNTER_FALLBACK_ARGUMENTS)
 
 
 def test_train_and_eval(patched_bridge):
-  cpu, model, served = served_net()
-  paths = Paths(served)
-  check(served, cpu, torch.randn(4, WIDTH))
-  assert paths.since_last() == {'fast': 1}
+  cpu, model, served, paths = served_after_a_fast_call()
   # BatchNorm normalizes by the batch and updates its running statistics in
   # training mode: dynamo's guard on `training` fails, the call re-traces.
   model.train()
@@ -163,44 +178,32 @@ def test_train_and_eval(patched_bridge):
   }
   model.eval()
   cpu.eval()
-  check(served, cpu, torch.randn(4, WIDTH))
-  check(served, cpu, torch.randn(4, WIDTH))
-  assert paths.since_last() == {
-      fast_dispatch.COUNTER_FALLBACK_MODULE: 1,
-      'fast': 1
-  }
+  full_then_fast(paths, served, cpu, 4, fast_dispatch.COUNTER_FALLBACK_MODULE)
 
 
 def test_an_in_place_weight_update(patched_bridge):
-  cpu, model, served = served_net()
-  paths = Paths(served)
-  check(served, cpu, torch.randn(4, WIDTH))
+  cpu, model, served, paths = served_after_a_fast_call()
   with torch.no_grad():
     model.first.weight.mul_(-2.0)
     cpu.first.weight.mul_(-2.0)
   # The weight has pending IR: XLA refuses the bound program, the bridge
   # syncs it and runs; the next call learns the program again.
-  check(served, cpu, torch.randn(4, WIDTH))
-  check(served, cpu, torch.randn(4, WIDTH))
-  check(served, cpu, torch.randn(4, WIDTH))
+  check_calls(served, cpu, 3)
   assert paths.since_last() == {
-      'fast': 3,
+      'fast': 2,
       fast_dispatch.COUNTER_BRIDGE_RECOVERY: 1,
       fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1
   }
 
 
 def test_a_swapped_parameter_and_a_replaced_submodule(patched_bridge):
-  cpu, model, served = served_net()
-  paths = Paths(served)
-  check(served, cpu, torch.randn(4, WIDTH))
+  cpu, model, served, paths = served_after_a_fast_call()
   weight = torch.randn(WIDTH, WIDTH)
   model.first.weight = torch.nn.Parameter(xla(weight))
   cpu.first.weight = torch.nn.Parameter(weight)
-  check(served, cpu, torch.randn(4, WIDTH))
-  check(served, cpu, torch.randn(4, WIDTH))
+  check_calls(served, cpu, 2)
   assert paths.since_last() == {
-      'fast': 2,
+      'fast': 1,
       fast_dispatch.COUNTER_FALLBACK_MODULE: 1
   }
   torch.manual_seed(1)
@@ -210,12 +213,7 @@ def test_a_swapped_parameter_and_a_replaced_submodule(patched_bridge):
   model.second.load_state_dict(second.state_dict())
   # An unused new submodule changes nothing the graph reads.
   model.extra = torch.nn.Linear(2, 2)
-  check(served, cpu, torch.randn(6, WIDTH))
-  check(served, cpu, torch.randn(6, WIDTH))
-  assert paths.since_last() == {
-      'fast': 1,
-      fast_dispatch.COUNTER_FALLBACK_MODULE: 1
-  }
+  full_then_fast(paths, served, cpu, 6, fast_dispatch.COUNTER_FALLBACK_MODULE)
   # The new submodule is watched too.
   weight = torch.randn(WIDTH, WIDTH)
   model.second.weight = torch.nn.Parameter(xla(weight))
@@ -265,12 +263,9 @@ def test_grad_mode_autocast_and_function_modes(patched_bridge):
 
 
 def test_another_dtype_device_or_requires_grad(patched_bridge):
-  cpu, _, served = served_net()
-  paths = Paths(served)
-  check(served, cpu, torch.randn(4, WIDTH))
+  cpu, _, served, paths = served_after_a_fast_call()
   check(served, cpu, torch.randn(4, WIDTH, dtype=torch.float64))
   assert paths.since_last() == {
-      'fast': 1,
       fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
       fast_dispatch.COUNTER_RETRACE: 1
   }
@@ -286,16 +281,13 @@ def test_another_dtype_device_or_requires_grad(patched_bridge):
 
 
 def test_a_dtype_conversion_of_the_model(patched_bridge):
-  cpu, model, served = served_net()
-  paths = Paths(served)
-  check(served, cpu, torch.randn(4, WIDTH))
+  cpu, model, served, paths = served_after_a_fast_call()
   # to(dtype) replaces each parameter's data in place: no registration hook
   # sees it, the module watch does.
   model.double()
   cpu.double()
   check(served, cpu, torch.randn(4, WIDTH))
   assert paths.since_last() == {
-      'fast': 1,
       fast_dispatch.COUNTER_FALLBACK_MODULE: 1,
       fast_dispatch.COUNTER_RETRACE: 1
   }
@@ -380,9 +372,7 @@ def test_random_ops_draw_a_seed_per_call(patched_bridge):
 
 def test_verify_mode_finds_a_change_the_fast_path_cannot_see(
     patched_bridge, monkeypatch, caplog):
-  cpu, model, served = served_net()
-  paths = Paths(served)
-  check(served, cpu, torch.randn(4, WIDTH))
+  cpu, model, served, paths = served_after_a_fast_call()
   # Assigning `training` directly (not through train()) is not watched.
   monkeypatch.setattr(config, 'serve_verify', True)
   model.norm.training = True
@@ -391,23 +381,16 @@ def test_verify_mode_finds_a_change_the_fast_path_cannot_see(
   assert 'guards refused a call of Net that the fast path would have' in (
       caplog.text)
   assert paths.since_last() == {
-      'fast': 1,
       fast_dispatch.COUNTER_VERIFY_MISMATCH: 1,
       fast_dispatch.COUNTER_RETRACE: 1
   }
 
 
 def test_revert_ends_the_fast_path(patched_bridge):
-  cpu, _, served = served_net()
-  paths = Paths(served)
-  check(served, cpu, torch.randn(4, WIDTH))
+  cpu, _, served, paths = served_after_a_fast_call()
   torch_xla_patches.revert()
-  check(served, cpu, torch.randn(4, WIDTH))
-  check(served, cpu, torch.randn(4, WIDTH))
-  assert paths.since_last() == {
-      'fast': 1,
-      fast_dispatch.COUNTER_FALLBACK_MODULE: 2
-  }
+  check_calls(served, cpu, 2)
+  assert paths.since_last() == {fast_dispatch.COUNTER_FALLBACK_MODULE: 2}
 
 
 def test_a_loaded_artifact_takes_the_fast_path(patched_bridge, tmp_path):
