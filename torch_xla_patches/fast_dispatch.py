@@ -361,7 +361,6 @@ class FastPath:
     self._last_plan_error: Optional[str] = None
     # Calls served by the fast path.
     self.fast_calls = 0
-    module_watch.watch(model)
 
   def _disable(self, reason: str) -> None:
     self.disabled_reason = reason
@@ -435,8 +434,9 @@ class FastPath:
       if self._plan is None or self._generation != module_watch.generation:
         self._runs.clear()
         self._plan = None
-        self._plan = ArgumentPlan.of_call(self._model, args, graph_args,
-                                          self._backend.placeholder_values())
+        self._plan = ArgumentPlan.of_call(
+            self._model, args, graph_args,
+            self._backend.placeholder_values(len(graph_args)))
         # Submodules added since the last plan are watched from now on.
         module_watch.watch(self._model)
         self._generation = module_watch.generation

@@ -19,6 +19,7 @@ import torch
 
 from torch_xla_patches import dynamo_bridge
 from torch_xla_patches import record
+from torch_xla_patches import signature
 from torch_xla_patches import torch_internals
 from torch_xla_patches.artifact import ArtifactCorruptError
 
@@ -136,13 +137,10 @@ class XlaSerializableCallable(SerializableCallable):
     the bridge partitioned the graph around CPU fallback ops."""
     return self._cache
 
-  def placeholder_values(self) -> List[Any]:
-    """The fake value dynamo recorded for each graph argument, in order."""
-    return [
-        node.meta.get('val')
-        for node in self._graph_module.graph.nodes
-        if node.op == 'placeholder'
-    ]
+  def placeholder_values(self, num_args: int) -> List[Any]:
+    """The fake value dynamo recorded for each of the graph's `num_args`
+    arguments (all None if the graph has another number)."""
+    return signature.placeholder_values(self._graph_module, num_args)
 
   def _compile_first(self, args: List[Any]) -> None:
     self._compiled = dynamo_bridge.extract_compiled_graph(
