@@ -42,6 +42,19 @@ class Pair(torch.nn.Module):
     return {'sum': self.proj(x) + y.sum(), 'y': y}, self.proj(x).relu()
 
 
+class Swapped(torch.nn.Module):
+  """Reads its second argument first: the graph's argument order is not
+  the call's."""
+
+  def __init__(self, width=WIDTH):
+    super().__init__()
+    self.proj = torch.nn.Linear(width, width)
+
+  def forward(self, x, y):
+    scale = y.sum(dim=0)
+    return self.proj(x) * scale
+
+
 class Counting(torch.nn.Module):
   """A side effect dynamo's code replays after the graph."""
 
@@ -333,6 +346,22 @@ def test_a_dict_result_and_a_returned_argument(patched_bridge):
     assert parts['y'] is y_xla
     torch.testing.assert_close(parts['sum'].cpu(), expected_parts['sum'])
     torch.testing.assert_close(relu.cpu(), expected_relu)
+  assert paths.since_last() == {'fast': 2}
+
+
+def test_arguments_the_graph_takes_in_another_order(patched_bridge):
+  torch.manual_seed(0)
+  cpu = Swapped()
+  model = Swapped().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  served = torch_xla_patches.serve(model, [(TensorSpec(
+      (4, WIDTH), torch.float32), TensorSpec((4, WIDTH), torch.float32))])
+  paths = Paths(served)
+  for _ in range(2):
+    x, y = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    with torch.no_grad():
+      expected = cpu(x, y)
+    torch.testing.assert_close(served(xla(x), xla(y)).cpu(), expected)
   assert paths.since_last() == {'fast': 2}
 
 

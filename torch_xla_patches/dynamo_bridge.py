@@ -890,9 +890,10 @@ class SignatureCache:
   # -- bound programs
 
   def bound_program(self, args: Sequence[Any],
-                    free_positions: Sequence[int]) -> Optional['BoundProgram']:
+                    free_index: Dict[int, int]) -> Optional['BoundProgram']:
     """The compiled program of the signature of `args`, with every argument
-    outside `free_positions` bound to the tensor `args` holds there now (see
+    whose position is not in `free_index` (position -> index among the free
+    arguments of a call) bound to the tensor `args` holds there now (see
     [Note: Bound programs]); None if that signature is not compiled, or if
     its program cannot be bound (it draws a random seed, updates an argument
     in place, or returns an argument)."""
@@ -903,7 +904,6 @@ class SignatureCache:
     matcher = entry.graph_input_matcher
     if matcher.draws_seed or entry.output_plan.reads_args:
       return None
-    free_index = {position: i for i, position in enumerate(free_positions)}
     inputs = []
     free_slots = []
     for slot, (arg_idx, constant) in enumerate(
@@ -952,7 +952,6 @@ class BoundProgram:
                free_slots: Tuple[Tuple[int, int], ...]):
     self.key = key
     self.graph_hash = entry.graph_hash
-    self.num_outputs = len(entry.output_plan.sources)
     self._inputs = inputs
     self._free_slots = free_slots
     self._output_plan = entry.output_plan
