@@ -118,14 +118,19 @@ def xla(t):
   return t.to(torch_xla.device())
 
 
-def served_net(buckets=(4, 6, WIDTH), cls=Net):
+def served_model(cls, signatures):
+  """(a CPU copy, the XLA model, what serve() returns), in eval mode, with
+  the same weights."""
   torch.manual_seed(0)
   cpu = cls().eval()
   model = cls().to(torch_xla.device()).eval()
   model.load_state_dict(cpu.state_dict())
-  served = torch_xla_patches.serve(
-      model, [(TensorSpec((b, WIDTH), torch.float32),) for b in buckets])
-  return cpu, model, served
+  return cpu, model, torch_xla_patches.serve(model, signatures)
+
+
+def served_net(buckets=(4, 6, WIDTH)):
+  return served_model(
+      Net, [(TensorSpec((b, WIDTH), torch.float32),) for b in buckets])
 
 
 def check(served, cpu, x, **tolerances):
@@ -329,11 +334,7 @@ def test_random_shapes_equal_eager(patched_bridge):
 
 
 def test_a_dict_result_and_a_returned_argument(patched_bridge):
-  torch.manual_seed(0)
-  cpu = Pair()
-  model = Pair().to(torch_xla.device())
-  model.load_state_dict(cpu.state_dict())
-  served = torch_xla_patches.serve(model, [(TensorSpec(
+  cpu, model, served = served_model(Pair, [(TensorSpec(
       (4, WIDTH), torch.float32), TensorSpec((3,), torch.float32))])
   paths = Paths(served)
   for _ in range(2):
@@ -350,11 +351,7 @@ def test_a_dict_result_and_a_returned_argument(patched_bridge):
 
 
 def test_arguments_the_graph_takes_in_another_order(patched_bridge):
-  torch.manual_seed(0)
-  cpu = Swapped()
-  model = Swapped().to(torch_xla.device())
-  model.load_state_dict(cpu.state_dict())
-  served = torch_xla_patches.serve(model, [(TensorSpec(
+  cpu, model, served = served_model(Swapped, [(TensorSpec(
       (4, WIDTH), torch.float32), TensorSpec((4, WIDTH), torch.float32))])
   paths = Paths(served)
   for _ in range(2):
@@ -478,11 +475,7 @@ def test_a_global_forward_hook_takes_the_full_path(patched_bridge):
 
 
 def test_aliased_arguments_take_the_full_path(patched_bridge):
-  torch.manual_seed(0)
-  cpu = Pair()
-  model = Pair().to(torch_xla.device())
-  model.load_state_dict(cpu.state_dict())
-  served = torch_xla_patches.serve(model, [(TensorSpec(
+  cpu, model, served = served_model(Pair, [(TensorSpec(
       (WIDTH, WIDTH), torch.float32), TensorSpec(
           (WIDTH, WIDTH), torch.float32))])
   paths = Paths(served)
