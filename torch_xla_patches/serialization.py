@@ -118,6 +118,15 @@ class CompiledModel:
         return self.aot_fn.guard_check(self.model, *args)
       return self.aot_fn.guard_check(*args)
 
+  def call_checked(self, *args) -> Any:
+    """Calls the model for `args` that guard_check accepted, without
+    checking the guards a second time."""
+    function = torch_internals.aot_captured_function(self.aot_fn)
+    with torch.no_grad():
+      if self.bound_method:
+        return function(self.model, *args)
+      return function(*args)
+
   @property
   def transformed_code(self) -> Any:
     """The code object dynamo made of the captured function: it reads the

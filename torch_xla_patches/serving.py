@@ -179,7 +179,7 @@ class ServedModel:
     if not compiled.guard_check(*args):
       return self._retrace(args)
     with compiled.backend_callable.observed_calls() as calls:
-      result = compiled(*args)
+      result = compiled.call_checked(*args)
     self.fast_path.learn(args, result, calls)
     return result
 
@@ -190,7 +190,7 @@ class ServedModel:
     if self._retraced is None:
       logger.info(
           'torch_xla_patches.serve: dynamo\'s guards refused a call of %s; '
-          'tracing it again with torch.compile (once per change)',
+          'such calls are traced again with torch.compile (said once)',
           type(self.model).__name__)
       self._retraced = torch.compile(self.model,
                                      backend='openxla',

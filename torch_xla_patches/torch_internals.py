@@ -83,6 +83,17 @@ def aot_artifacts(aot_fn: Any) -> Any:
   return artifacts
 
 
+def aot_captured_function(aot_fn: Any) -> Callable[..., Any]:
+  """The function an AOTCompiledFunction runs once its guards passed (the
+  captured bytecode), called without checking them again."""
+  function = getattr(aot_fn, 'fn', None)
+  if not callable(function):
+    raise TorchInternalsError(
+        f'torch_xla_patches: {type(aot_fn).__name__} has no fn; this torch '
+        'release runs aot_compile results differently.')
+  return function
+
+
 def backend_registry() -> Dict[str, Any]:
   """dynamo's {backend name: compiler function} dict."""
   return _attribute('torch._dynamo.backends.registry', '_COMPILER_FNS')
