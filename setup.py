@@ -18,7 +18,15 @@ setup(
         ],
     },
     extras_require={
-        'test': ['pytest', 'expecttest', 'hypothesis', 'yapf==0.40.2'],
+        'test': [
+            'pytest',
+            'expecttest',
+            'hypothesis',
+            'yapf==0.40.2',
+            # The real client of serve(): tiny configurations built in code,
+            # nothing downloaded. It does not depend on torch.
+            'transformers>=5,<6'
+        ],
         # Benchmark charts (tools/bench_warmup.py).
         'tools': ['matplotlib'],
     },

@@ -24,8 +24,9 @@ LAYERS = (
         'runtime', 'versions', 'config', '_patching', 'io_utils',
         'torch_internals'
     }),
-    # What each graph input is, and the per-call key.
-    ('signature', {'signature'}),
+    # What each graph input is, and the per-call key; a served call's
+    # structure.
+    ('signature', {'signature', 'call_spec'}),
     # What is kept on disk: records (index and artifact alike), the index,
     # graph fingerprints.
     ('records and index', {'record', 'signature_index', 'fingerprint'}),
@@ -34,8 +35,9 @@ LAYERS = (
     ('bridge', {'backlog', 'dynamo_bridge', 'decompositions'}),
     # Users of the bridge, through its public methods.
     ('warm-up, serialization and tools', {
-        'warmup', 'source_digest', 'artifact', 'serializable_backend',
-        'serialization', 'serving', 'fast_dispatch', 'cache'
+        'warmup', 'source_digest', 'serve_key', 'artifact',
+        'serializable_backend', 'serialization', 'serving', 'fast_dispatch',
+        'cache'
     }),
     ('package API', {'__init__'}),
 )

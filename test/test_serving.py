@@ -83,12 +83,12 @@ def test_serve_refuses_what_it_cannot_serve(patched_bridge):
   with pytest.raises(ValueError, match='signatures is empty'):
     torch_xla_patches.serve(model, [])
   with pytest.raises(TypeError,
-                     match='signature 0, argument 0 is Tensor, expected a '
-                     'TensorSpec'):
+                     match='signature 0: argument 0 is Tensor; describe '
+                     'tensors with TensorSpec'):
     torch_xla_patches.serve(model, [(torch.zeros(2, 8),)])
   with pytest.raises(ValueError,
-                     match=r'signature 1 has arguments int32\[rank 2\], '
-                     r'signature 0 int64\[rank 2\]'):
+                     match=r'signature 1 has arguments \(int32\[rank 2\]\), '
+                     r'signature 0 \(int64\[rank 2\]\)'):
     torch_xla_patches.serve(model, [(TensorSpec((2, 8), torch.long),),
                                     (TensorSpec((2, 8), torch.int32),)])
   with pytest.raises(ValueError, match='embed.weight is on cpu'):
@@ -202,8 +202,8 @@ def test_an_edited_model_or_a_damaged_artifact_traces_again_with_the_reason(
   edited, stderr = serve_in_process(model_dir, cache_dir)
   assert (edited['loaded'], edited['frames']) == (False, 1)
   (line,) = tracing_lines(stderr)
-  assert f'none matches; {original}: torch_xla_patches: the model source ' \
-         'differs' in line and 'served_lm.ServedLM: expected' in line, line
+  assert (f'no artifact of this key; the closest, {original} differs in '
+          'source: served_lm.ServedLM ') in line, line
   assert len(artifacts(cache_dir)) == 2
   # A damaged artifact: traced again, and replaced by a good one.
   write_model(model_dir)

@@ -17,6 +17,7 @@ from torch_xla_patches import _patching
 from torch_xla_patches import config
 from torch_xla_patches import torch_internals
 from torch_xla_patches import versions
+from torch_xla_patches.call_spec import CallSpec
 from torch_xla_patches.io_utils import TensorSpec
 
 # See [Note: Supported releases] in versions.py.
@@ -149,16 +150,18 @@ def serve(model, signatures, *, cache_dir: Optional[str] = None):
   Args:
     model: an nn.Module on the XLA device, for inference (calls run under
       torch.no_grad()).
-    signatures: the serving buckets: an iterable of tuples of TensorSpec,
-      one per positional argument of model.forward, all of one dtype and
-      rank per position. serve() returns once every bucket is compiled;
-      other shapes are compiled when a call needs them.
+    signatures: the serving buckets: an iterable of CallSpec (positional
+      and keyword arguments: TensorSpecs, scalars, strings and None, nested
+      in lists, tuples and dicts), or of tuples of TensorSpec for positional
+      tensors; every bucket of one structure, dtype and rank per tensor and
+      constant values. serve() returns once every bucket is compiled; other
+      shapes are compiled when a call needs them.
     cache_dir: where the artifact (and, unless apply() was given another
       directory, the signature index) is kept across restarts; default
       XLA_PATCHES_CACHE_DIR. None: nothing is kept.
   Returns:
-    A serving.ServedModel: served(*tensors) returns what model(*tensors)
-    returns.
+    A serving.ServedModel: served(*args, **kwargs) returns what
+    model(*args, **kwargs) returns.
   """
   apply()
   from torch_xla_patches import fast_dispatch

@@ -27,7 +27,8 @@ from torch_xla_patches import io_utils
 from torch_xla_patches import torch_internals
 from torch_xla_patches import versions
 
-FORMAT_VERSION = 1
+# 2: modules are captured through their call (module_call), not forward.
+FORMAT_VERSION = 2
 _MAGIC = b'TORCH_XLA_PATCHES_AOT\n'
 # The header is one JSON line; anything longer than this is not our file.
 _MAX_HEADER_BYTES = 1 << 20
@@ -58,13 +59,17 @@ class ArtifactHeader:
   model_source_digest: str
   # {qualified class or function name: SHA-256 of its source}.
   model_source_parts: Dict[str, str]
-  # Whether the function was a bound method (called as fn(model, *args)).
-  bound_method: bool
+  # Whether the captured function is serialization.call_module, called as
+  # fn(model, args, kwargs) (see [Note: Capturing a module's call]).
+  module_call: bool
   # Positional arguments of a call to warm up with: an input spec per
   # argument (see io_utils.arg_spec), or None if they cannot be rebuilt.
   example_args: Optional[List[Any]]
   payload_sha256: str
   payload_size: int
+  # serve(): the parts of the ServeKey the artifact was made for (see
+  # [Note: Serve key]); None for an artifact `save` wrote directly.
+  serve_key: Optional[Dict[str, Any]] = None
 
   def saved_versions(self) -> versions.RuntimeVersions:
     """The versions of the process that saved the artifact."""

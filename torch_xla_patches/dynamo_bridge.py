@@ -967,7 +967,8 @@ class BoundProgram:
     plan = self._output_plan
     if plan.num_results:
       if not upstream_config.skip_input_data_check:
-        _sync_pending_inputs(free_args)
+        # free_args may hold a served call's other leaves (ints, None).
+        _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
       results = torch_xla._XLAC._run_cached_graph(self.graph_hash, inputs)
     else:
       results = []

@@ -9,11 +9,17 @@ does the same work from what it learned on an earlier call:
     argument comes from (a user argument, a parameter or buffer of the model,
     a size of a user argument), checked once against the arguments the full
     path handed the graph.
-  * Per user-argument key (each argument's type, shape, dtype, device and
-    requires_grad), the bridge's BoundProgram of that signature (see [Note:
-    Bound programs]) and how the user's result is built from the graph's
-    outputs. A key is added only after the full path served it, so dynamo's
-    shape guards have accepted those sizes.
+  * Per call key (the call's structure, each tensor's type, shape, dtype,
+    device and requires_grad, each other argument's value: see [Note: Served
+    call structure]), the bridge's BoundProgram of that signature (see
+    [Note: Bound programs]) and how the user's result is built from the
+    graph's outputs. A key is added only after the full path served it, so
+    dynamo's guards have accepted those arguments.
+  * Captured code that does more than call the graph (a side effect dynamo
+    replays, such as Hugging Face's context-variable restores, or an object
+    it constructs) gets no fast path: its side effects may depend on values
+    only dynamo's guards check (a counter the forward increments is stored as
+    a constant), so every call takes the full path.
 A call takes the fast path only while what dynamo's guards protect is known
 unchanged:
   * the global state (autocast, torch-function enablement, default dtype,
@@ -45,6 +51,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 import torch_xla
 
+from torch_xla_patches import call_spec
 from torch_xla_patches import config
 from torch_xla_patches import torch_internals
 
@@ -81,7 +88,12 @@ class ModuleWatch:
       self._watched.add(module)
 
   def changed(self, module: torch.nn.Module) -> None:
-    if module in self._watched:
+    # While dynamo traces a forward that builds modules (Hugging Face's
+    # `self.layers[:n]` makes a ModuleList each call), the hooks run inside
+    # the trace: reading the watch set there would become a guard on it.
+    # Such modules are the trace's own; a change of a watched module is
+    # replayed by the captured code at run time, where the hook runs again.
+    if not torch.compiler.is_compiling() and module in self._watched:
       self.generation += 1
 
   def patches(self) -> List[Tuple[Any, str, Callable[..., Any]]]:
@@ -176,13 +188,16 @@ def check_captured_code(code: Any) -> None:
 class ArgumentPlan:
   """Where each graph argument of a served call comes from.
 
+  User arguments are the call's leaves (see [Note: Served call structure]),
+  by index.
+
   Args:
     bound: the graph arguments that are parameters and buffers of the model,
       by identity, at their positions; None at the others.
-    user_positions: (graph position, user argument index) of each graph
-      argument that is a user argument.
-    size_positions: (graph position, user argument index, dim) of each graph
-      argument that is a size of a user argument.
+    user_positions: (graph position, leaf index) of each graph argument that
+      is a tensor leaf of the call.
+    size_positions: (graph position, leaf index, dim) of each graph argument
+      that is a size of a tensor leaf.
   """
   bound: Tuple[Optional[torch.Tensor], ...]
   user_positions: Tuple[Tuple[int, int], ...]
@@ -208,10 +223,7 @@ class ArgumentPlan:
               placeholder_values: Sequence[Any]) -> 'ArgumentPlan':
     """The plan of a full call that handed the graph `graph_args`; checked
     against them. Raises PlanError naming the argument it cannot place."""
-    user_index = {id(arg): i for i, arg in enumerate(user_args)}
-    if len(user_index) != len(user_args):
-      # dynamo guards that the arguments stay aliased; the key cannot.
-      raise PlanError('the call passed one tensor as two arguments')
+    user_index = _tensor_index(user_args)
     state = {
         id(tensor)
         for tensor in list(model.parameters()) + list(model.buffers())
@@ -253,14 +265,26 @@ class ArgumentPlan:
     plan = cls(bound=tuple(bound),
                user_positions=tuple(user_positions),
                size_positions=tuple(size_positions))
-    rebuilt = plan.graph_args(user_args)
+    plan.check(user_args, graph_args)
+    return plan
+
+  def check(self, user_args: Sequence[Any], graph_args: Sequence[Any]) -> None:
+    """Raises PlanError unless the plan gives a full call's `graph_args`
+    from its leaves `user_args`."""
+    if len(graph_args) != len(self.bound):
+      raise PlanError(f'the graph took {len(graph_args)} arguments, the plan '
+                      f'gives {len(self.bound)}')
+    try:
+      rebuilt = self.graph_args(user_args)
+    except (IndexError, AttributeError):
+      raise PlanError('the call\'s arguments have another structure than '
+                      'the plan\'s') from None
     for position, (ours, theirs) in enumerate(zip(rebuilt, graph_args)):
       same = (ours is theirs if isinstance(theirs, torch.Tensor) else
               type(ours) is type(theirs) and ours == theirs)
       if not same:
         raise PlanError(f'the plan gives graph argument {position} '
                         f'{ours!r}, the full path {theirs!r}')
-    return plan
 
 
 OutputMap = Callable[[Sequence[Any], Sequence[Any]], Any]
@@ -274,7 +298,7 @@ def output_map(result: Any, graph_outputs: Sequence[Any],
   output_index = {id(out): i for i, out in enumerate(graph_outputs)}
   if isinstance(result, torch.Tensor) and id(result) in output_index:
     return _bare_output(output_index[id(result)])
-  user_index = {id(arg): i for i, arg in enumerate(user_args)}
+  user_index = _tensor_index(user_args)
   flatten, unflatten = torch_internals.pytree()
   leaves, spec = flatten(result)
   sources = []  # ('output' | 'arg', index) or (None, None)
@@ -305,22 +329,14 @@ def _bare_output(index: int) -> OutputMap:
   return lambda outputs, args: outputs[index]
 
 
-def user_key(args: Sequence[Any]) -> Optional[Hashable]:
-  """What the fast path keys a call on: each argument's type, shape, dtype,
-  device and requires_grad; None if an argument is not a tensor, or if one
-  tensor is passed as two arguments (dynamo guards aliasing, the key cannot
-  show it)."""
-  try:
-    if len(args) == 1:
-      # The common case, without building a list.
-      (arg,) = args
-      return (type(arg), arg.shape, arg.dtype, arg.device, arg.requires_grad)
-    if len(set(map(id, args))) != len(args):
-      return None
-    return tuple([(type(arg), arg.shape, arg.dtype, arg.device,
-                   arg.requires_grad) for arg in args])
-  except AttributeError:
-    return None
+def _tensor_index(leaves: Sequence[Any]) -> Dict[int, int]:
+  """id -> leaf index of the call's tensors (call_key has refused a call
+  that passes one tensor twice)."""
+  return {
+      id(leaf): index
+      for index, leaf in enumerate(leaves)
+      if isinstance(leaf, torch.Tensor)
+  }
 
 
 def count_retrace() -> None:
@@ -345,7 +361,7 @@ class FastPath:
     self._backend = compiled.backend_callable
     self._function_mode_depth = torch_internals.torch_function_mode_depth()
     self._global_hooks = torch_internals.global_module_forward_hooks()
-    # Why there is no plan, once known for good (the captured code).
+    # Why there is no fast path, once known for good (the captured code).
     self.disabled_reason: Optional[str] = None
     try:
       check_captured_code(compiled.transformed_code)
@@ -356,7 +372,9 @@ class FastPath:
     # grad mode: served calls run without autograd in either.
     self._global_states: Tuple[Any, Any] = ()
     self._plan: Optional[ArgumentPlan] = None
-    self._runs: Dict[Hashable, Callable[[Sequence[Any]], Any]] = {}
+    # Call key -> run(leaves, args, kwargs).
+    self._runs: Dict[Hashable, Callable[[Sequence[Any], tuple, Dict[str, Any]],
+                                        Any]] = {}
     self._warned_verify = False
     self._last_plan_error: Optional[str] = None
     # Calls served by the fast path.
@@ -369,10 +387,10 @@ class FastPath:
         'guards): %s',
         type(self._model).__name__, reason)
 
-  def run(self, args: Sequence[Any]) -> Any:
+  def run(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
     """The call's result, or NOT_RUN (counted) if it must take the full
     path."""
-    if self._plan is None:
+    if not self._runs:
       _increment_counter(COUNTER_FALLBACK_NO_PLAN, 1)
       return NOT_RUN
     states = self._global_states
@@ -389,18 +407,18 @@ class FastPath:
     if module_watch.generation != self._generation:
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       return NOT_RUN
-    key = user_key(args)
+    key, leaves = call_spec.call_key(args, kwargs)
     run = self._runs.get(key)
     if run is None:
       _increment_counter(COUNTER_FALLBACK_ARGUMENTS, 1)
       return NOT_RUN
-    if config.serve_verify and not self._verified(args):
+    if config.serve_verify and not self._verified(args, kwargs):
       return NOT_RUN
     self.fast_calls += 1
-    return run(args)
+    return run(leaves, args, kwargs)
 
-  def _verified(self, args: Sequence[Any]) -> bool:
-    if self._compiled.guard_check(*args):
+  def _verified(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
+    if self._compiled.guard_check(*args, **kwargs):
       return True
     _increment_counter(COUNTER_VERIFY_MISMATCH, 1)
     if not self._warned_verify:
@@ -417,7 +435,7 @@ class FastPath:
 
   # -- learning from full calls
 
-  def learn(self, args: Sequence[Any], result: Any,
+  def learn(self, args: tuple, kwargs: Dict[str, Any], result: Any,
             calls: Sequence[Tuple[tuple, tuple]]) -> None:
     """Updates the fast path from a full call, accepted by dynamo's guards,
     that called the graph as `calls` show."""
@@ -425,43 +443,49 @@ class FastPath:
       return
     if not module_watch.installed:
       return
-    graph_args, graph_outputs = calls[0]
+    key, leaves = call_spec.call_key(args, kwargs)
+    if key is None:
+      return
     with torch.set_grad_enabled(not torch.is_grad_enabled()):
       other_grad_mode = torch_internals.global_state_guard()
     self._global_states = (torch_internals.global_state_guard(),
                            other_grad_mode)
+    if self._generation != module_watch.generation:
+      self._runs.clear()
+      self._plan = None
+      # Submodules added since the last plan are watched from now on.
+      module_watch.watch(self._model)
+      self._generation = module_watch.generation
+    if key in self._runs:
+      return
     try:
-      if self._plan is None or self._generation != module_watch.generation:
-        self._runs.clear()
-        self._plan = None
-        self._plan = ArgumentPlan.of_call(
-            self._model, args, graph_args,
-            self._backend.placeholder_values(len(graph_args)))
-        # Submodules added since the last plan are watched from now on.
-        module_watch.watch(self._model)
-        self._generation = module_watch.generation
-      key = user_key(args)
-      if key is not None and key not in self._runs:
-        self._runs[key] = self._make_run(key, args, graph_args, result,
-                                         graph_outputs)
+      self._runs[key] = self._bound_run(key, leaves, result, calls[0])
     except PlanError as e:
       # Learned again from the next full call.
       self._plan = None
       if str(e) != self._last_plan_error:
         self._last_plan_error = str(e)
         logger.info(
-            'torch_xla_patches.serve: no fast path for calls of %s yet: %s',
+            'torch_xla_patches.serve: no fast path for calls of %s like this '
+            'one yet: %s',
             type(self._model).__name__, e)
 
-  def _make_run(self, key: Hashable, args: Sequence[Any],
-                graph_args: Sequence[Any], result: Any,
-                graph_outputs: Sequence[Any]) -> Callable[[Sequence[Any]], Any]:
-    rebuild = output_map(result, graph_outputs, args)
+  def _bound_run(self, key: Hashable, leaves: Sequence[Any], result: Any,
+                 call: Tuple[tuple, tuple]) -> Callable[..., Any]:
+    graph_args, graph_outputs = call
+    if self._plan is None:
+      self._plan = ArgumentPlan.of_call(
+          self._model, leaves, graph_args,
+          self._backend.placeholder_values(len(graph_args)))
+    else:
+      self._plan.check(leaves, graph_args)
+    rebuild = output_map(result, graph_outputs, leaves)
     plan = self._plan
     backend = self._backend
 
-    def through_bridge(args: Sequence[Any]) -> Any:
-      return rebuild(backend(*plan.graph_args(args)), args)
+    def through_bridge(leaves: Sequence[Any], args: tuple,
+                       kwargs: Dict[str, Any]) -> Any:
+      return rebuild(backend(*plan.graph_args(leaves)), leaves)
 
     cache = backend.signature_cache
     bound = (cache.bound_program(graph_args, plan.free_index)
@@ -469,16 +493,17 @@ class FastPath:
     if bound is None:
       return through_bridge
 
-    def direct(args: Sequence[Any]) -> Any:
+    def direct(leaves: Sequence[Any], args: tuple, kwargs: Dict[str,
+                                                                Any]) -> Any:
       try:
-        outputs = bound(args)
+        outputs = bound(leaves)
       except RuntimeError:
         # Refused before running (see [Note: Bound programs]): the bridge
         # syncs pending inputs or re-traces an evicted program; the next call
         # of this key learns its program again from a full call.
         _increment_counter(COUNTER_BRIDGE_RECOVERY, 1)
         self._runs.pop(key, None)
-        return through_bridge(args)
-      return rebuild(outputs, args)
+        return through_bridge(leaves, args, kwargs)
+      return rebuild(outputs, leaves)
 
     return direct

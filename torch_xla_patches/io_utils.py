@@ -89,6 +89,12 @@ def canonical_json(value: Any) -> str:
   return json.dumps(value, sort_keys=True, separators=(',', ':'))
 
 
+def json_round_trip(value: Any) -> Any:
+  """`value` as JSON gives it back (tuples as lists), so that it compares
+  equal to the same value read from a file."""
+  return json.loads(canonical_json(value))
+
+
 _FILE_KINDS = ((stat.S_ISDIR, 'a directory'), (stat.S_ISFIFO, 'a FIFO'),
                (stat.S_ISCHR, 'a character device'),
                (stat.S_ISBLK, 'a block device'), (stat.S_ISSOCK, 'a socket'))

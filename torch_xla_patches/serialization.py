@@ -71,6 +71,26 @@ def _arg_specs(args: Sequence[Any]) -> Optional[List[Any]]:
   return [io_utils.arg_spec(arg) for arg in args]
 
 
+def call_module(module: torch.nn.Module, args: tuple, kwargs: Dict[str,
+                                                                   Any]) -> Any:
+  """What aot_compile captures for a module: its call, with the arguments as
+  one tuple and one dict.
+
+  [Note: Capturing a module's call]
+  torch 2.9's aot_compile binds the example call to
+  `inspect.signature(function)`, which follows `__wrapped__`: for a forward
+  under a `functools.wraps` decorator of the form `wrapper(self, *args,
+  **kwargs)` (Hugging Face's) it binds the inner forward's parameter names,
+  and the wrapper's code then reads locals that were never set ("undefined
+  local variable args"). This function's signature is its code's, whatever
+  the model's forward looks like: keyword-only parameters, defaults,
+  decorators and hooks are dynamo's to trace inside `module(...)`, as
+  torch.compile of the module would. It reads no global, so the saved
+  bytecode needs none of this module's names after a restart.
+  """
+  return module(*args, **kwargs)
+
+
 class CompiledModel:
   """A model or function compiled with torch's aot_compile and our backend.
 
@@ -78,25 +98,27 @@ class CompiledModel:
 
   Args:
     aot_fn: the AOTCompiledFunction.
-    model: the nn.Module whose forward was compiled, or the function.
-    bound_method: whether aot_fn is called as aot_fn(model, *args).
+    model: the nn.Module whose call was captured (see [Note: Capturing a
+      module's call]), or the function.
+    module_call: whether aot_fn captured call_module, called as
+      aot_fn(model, args, kwargs); else aot_fn is the function itself.
     example_args: input specs of an example call (see _arg_specs), used by
       load to warm up; None if the call cannot be rebuilt from specs.
   """
 
-  def __init__(self, aot_fn, model: Any, bound_method: bool,
+  def __init__(self, aot_fn, model: Any, module_call: bool,
                example_args: Optional[List[Any]]):
     self.aot_fn = aot_fn
     self.model = model
-    self.bound_method = bound_method
+    self.module_call = module_call
     self.example_args = example_args
 
   def __call__(self, *args, **kwargs):
     # Inference only: the graph is dynamo's, with no AOTAutograd (see the
     # module docstring).
     with torch.no_grad():
-      if self.bound_method:
-        return self.aot_fn(self.model, *args, **kwargs)
+      if self.module_call:
+        return self.aot_fn(self.model, args, kwargs)
       return self.aot_fn(*args, **kwargs)
 
   def precompile_pending(self) -> int:
@@ -109,23 +131,31 @@ class CompiledModel:
   def backend_callable(self) -> XlaSerializableCallable:
     return torch_internals.aot_artifacts(self.aot_fn).compiled_fn
 
-  def guard_check(self, *args) -> bool:
-    """Whether dynamo's guards accept a call with `args`: False means the
-    captured code does not apply and calling would raise. Checked under
-    no_grad, as calls run."""
+  def guard_check(self, *args, **kwargs) -> bool:
+    """Whether dynamo's guards accept a call with `args`, `kwargs`: False
+    means the captured code does not apply and calling would raise. Checked
+    under no_grad, as calls run."""
     with torch.no_grad():
-      if self.bound_method:
-        return self.aot_fn.guard_check(self.model, *args)
-      return self.aot_fn.guard_check(*args)
+      if self.module_call:
+        return self.aot_fn.guard_check(self.model, args, kwargs)
+      return self.aot_fn.guard_check(*args, **kwargs)
 
-  def call_checked(self, *args) -> Any:
-    """Calls the model for `args` that guard_check accepted, without
+  def guard_failure(self, *args, **kwargs) -> str:
+    """Why dynamo's guards refuse a call (the first failing guard)."""
+    with torch.no_grad():
+      if self.module_call:
+        return torch_internals.aot_guard_failure(self.aot_fn, self.model, args,
+                                                 kwargs)
+      return torch_internals.aot_guard_failure(self.aot_fn, *args, **kwargs)
+
+  def call_checked(self, *args, **kwargs) -> Any:
+    """Calls the model for arguments that guard_check accepted, without
     checking the guards a second time."""
     function = torch_internals.aot_captured_function(self.aot_fn)
     with torch.no_grad():
-      if self.bound_method:
-        return function(self.model, *args)
-      return function(*args)
+      if self.module_call:
+        return function(self.model, args, kwargs)
+      return function(*args, **kwargs)
 
   @property
   def transformed_code(self) -> Any:
@@ -158,8 +188,12 @@ def aot_compile(model: Any,
   """
   require_torch_aot_compile('torch_xla_patches.serialization.aot_compile')
   model = torch_internals.unwrapped_module(model)
-  bound = isinstance(model, torch.nn.Module)
-  target = model.forward if bound else model
+  module_call = isinstance(model, torch.nn.Module)
+  kwargs = dict(kwargs or {})
+  if module_call:
+    target, example = call_module, ((model, tuple(args), kwargs), {})
+  else:
+    target, example = model, (tuple(args), kwargs)
   # aot_compile captures outside torch.compile's own context, which is where
   # dynamic=True would turn static-by-default shapes off; do it here.
   with torch_internals.capture_settings(dynamic,
@@ -167,26 +201,32 @@ def aot_compile(model: Any,
     aot_fn = torch.compile(target,
                            backend=openxla_serializable,
                            fullgraph=True,
-                           dynamic=dynamic).aot_compile(
-                               (tuple(args), dict(kwargs or {})))
+                           dynamic=dynamic,
+                           options={
+                               'guard_filter_fn':
+                                   torch_internals.serializable_guards
+                           }).aot_compile(example)
   if not isinstance(
       torch_internals.aot_artifacts(aot_fn).compiled_fn,
       XlaSerializableCallable):
     raise TypeError('torch_xla_patches: aot_compile did not use the '
                     f'{BACKEND_NAME} backend')
-  return CompiledModel(aot_fn, model, bound,
+  return CompiledModel(aot_fn, model, module_call,
                        _arg_specs(args) if not kwargs else None)
 
 
 def save(compiled: Any,
          path: str,
-         example_inputs: Optional[Sequence[Any]] = None) -> str:
+         example_inputs: Optional[Sequence[Any]] = None,
+         serve_key: Optional[Dict[str, Any]] = None) -> str:
   """Writes `compiled` to `path` atomically; returns the path.
 
   Args:
     compiled: a CompiledModel (from aot_compile or load), or a model /
       function / torch.compile'd module, which is then captured with
       aot_compile on `example_inputs` (positional arguments).
+    serve_key: serve()'s key parts, kept in the header (see [Note: Serve
+      key]).
   """
   require_torch_aot_compile('torch_xla_patches.save')
   if not isinstance(compiled, CompiledModel):
@@ -201,10 +241,11 @@ def save(compiled: Any,
                           model_name=source_digest.model_name(compiled.model),
                           model_source_digest=source_digest.digest(parts),
                           model_source_parts=parts,
-                          bound_method=compiled.bound_method,
+                          module_call=compiled.module_call,
                           example_args=compiled.example_args,
                           payload_sha256=hashlib.sha256(payload).hexdigest(),
-                          payload_size=len(payload))
+                          payload_size=len(payload),
+                          serve_key=serve_key)
   path = os.fspath(path)
   artifact.write(path, header, payload)
   return path
@@ -231,19 +272,20 @@ def _read_checked(path: str, model: Any) -> Tuple[ArtifactHeader, bytes]:
   header, payload = read_header(path)
   header.check_runtime()
   _check_source(header, model)
-  if header.bound_method != isinstance(model, torch.nn.Module):
+  if header.module_call != isinstance(model, torch.nn.Module):
     raise ArtifactMismatchError(
         f'torch_xla_patches: the artifact was saved for '
-        f'{"a module" if header.bound_method else "a function"}, load got '
+        f'{"a module" if header.module_call else "a function"}, load got '
         f'{type(model).__name__}')
   return header, payload
 
 
-def check(path: str, model: Any) -> None:
+def check(path: str, model: Any) -> ArtifactHeader:
   """Raises what `load(path, model=model)` would raise for the file's header
   (ArtifactCorruptError, ArtifactMismatchError naming what differs), without
-  unpickling anything."""
-  _read_checked(os.fspath(path), model)
+  unpickling anything; returns the header."""
+  header, _ = _read_checked(os.fspath(path), model)
+  return header
 
 
 def load(path: str,
@@ -271,7 +313,7 @@ def load(path: str,
   except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
     raise ArtifactCorruptError(
         f'torch_xla_patches: artifact {path} does not unpickle: {e}') from None
-  compiled = CompiledModel(aot_fn, model, header.bound_method,
+  compiled = CompiledModel(aot_fn, model, header.module_call,
                            header.example_args)
   compiled.backend_callable.name_source(os.fspath(path))
   if precompile and header.example_args is not None:

@@ -1,90 +1,89 @@
 """serve(): a model compiled for its serving buckets, kept across restarts.
 
   served = torch_xla_patches.serve(model, buckets, cache_dir='/var/cache/xla')
-  served(tokens)               # returns what model(tokens) returns
+  served(tokens, attention_mask=mask)   # returns what model(...) returns
+
+A bucket is a CallSpec (positional and keyword arguments, nested lists,
+tuples and dicts of TensorSpec, scalars and None; see [Note: Served call
+structure]) or, for positional tensors, a tuple of TensorSpec.
 
 [Note: Serving restarts]
-With a cache directory, serve() keeps one artifact per model and argument
-layout in <cache_dir>/serve/, named <model>-<key>.xla_aot, where the key is a
-digest of what must match for the artifact to be used: the model's source
-(source_digest), the torch, torch_xla and Python versions (runtime.py) and
-the argument layout (each argument's dtype and rank). A process that finds
-its artifact loads it (no dynamo frame), compiles the buckets, and the
-signatures recorded in the artifact and the signature index wait in the
-graph's backlog as any restart's do (see [Note: Replaying recorded
-signatures]). A process that does not (first start, edited source, other
-versions, a damaged file) logs one line with the reason, captures the model
-with dynamo once (aot_compile: no AOTAutograd), compiles the buckets and
-writes the artifact atomically, so processes sharing the directory see the
-old file or the new one, never a part. Nothing in the directory can fail a
-call: a file that does not load is a reason to trace, and a failed write is
-a warning.
+With a cache directory, serve() keeps one artifact per ServeKey (see [Note:
+Serve key]) in <cache_dir>/serve/, named <model>-<key digest>.xla_aot, with
+the key's parts in its header. A process that finds the artifact of its key
+loads it (no dynamo frame), checks that the loaded guards accept every
+bucket, compiles the buckets, and the signatures recorded in the artifact
+and the signature index wait in the graph's backlog as any restart's do (see
+[Note: Replaying recorded signatures]). A process that does not (first
+start, another configuration, edited source, other versions, a damaged
+file, an artifact whose guards refuse its own buckets) logs one line with
+the reason (for a missing key, the parts the closest artifact of the model
+differs in), captures the model's call with dynamo once (aot_compile: no
+AOTAutograd, see [Note: Capturing a module's call]), compiles the buckets
+and writes the artifact atomically, so processes sharing the directory see
+the old file or the new one, never a part. Two configurations of one model
+keep one artifact each. Nothing in the directory can fail a call: a file
+that does not load is a reason to trace, and a failed write is a warning.
 
-On torch 2.8 there is no aot_compile: serve() compiles through torch.compile
-and the signature index, and every restart traces dynamo again (said once in
-the log).
+Where aot_compile cannot capture the model at all, serve() serves it through
+torch.compile instead, saying why in one log line, as on torch 2.8, which has
+no aot_compile: serve() compiles through torch.compile and the signature
+index, and every restart traces dynamo again (said once in the log).
 """
-import dataclasses
 import glob
-import hashlib
-import json
 import logging
 import os
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from torch_xla_patches import artifact
+from torch_xla_patches import call_spec
 from torch_xla_patches import config
 from torch_xla_patches import fast_dispatch
-from torch_xla_patches import io_utils
-from torch_xla_patches import runtime
 from torch_xla_patches import serialization
+from torch_xla_patches import serializable_backend
 from torch_xla_patches import source_digest
 from torch_xla_patches import versions
 from torch_xla_patches import warmup
-from torch_xla_patches.io_utils import TensorSpec
+from torch_xla_patches.call_spec import CallSpec
+from torch_xla_patches.serve_key import ServeKey
 
 logger = logging.getLogger('torch_xla_patches.serving')
 
 SERVE_DIR = 'serve'
 ARTIFACT_SUFFIX = '.xla_aot'
+# How serve() captures (the capture part of the ServeKey).
+CAPTURE_SETTINGS = {
+    'dynamic': True,
+    'size_oblivious': True,
+    'module_call': True,
+    'guard_filter': 'serializable_guards',
+}
 
 _warned_no_aot_compile = False
 
 
-@dataclasses.dataclass(frozen=True)
-class ArgumentLayout:
-  """The dtype and rank of each positional argument of the served model."""
-  args: Tuple[Tuple[str, int], ...]
-
-  @classmethod
-  def of(cls, bucket: Sequence[TensorSpec]) -> 'ArgumentLayout':
-    return cls(
-        tuple((io_utils.dtype_name(spec.dtype), len(spec.shape))
-              for spec in bucket))
-
-  def describe(self) -> str:
-    return ', '.join(f'{dtype}[rank {rank}]' for dtype, rank in self.args)
-
-
-def _buckets(signatures: Iterable[Sequence[TensorSpec]]) -> List[tuple]:
-  """The buckets, checked: tuples of TensorSpec of one layout."""
-  buckets = [tuple(bucket) for bucket in signatures]
+def _buckets(signatures: Iterable[Any]) -> List[CallSpec]:
+  """The buckets, checked: CallSpecs of one layout."""
+  buckets = []
+  for index, bucket in enumerate(signatures):
+    try:
+      buckets.append(CallSpec.of(bucket))
+    except call_spec.CallStructureError as e:
+      raise TypeError(f'torch_xla_patches.serve: signature {index}: '
+                      f'{e}') from None
   if not buckets:
     raise ValueError('torch_xla_patches.serve: signatures is empty; give one '
-                     'tuple of TensorSpec per serving bucket')
+                     'CallSpec (or tuple of TensorSpec) per serving bucket')
+  first = buckets[0].layout()
   for index, bucket in enumerate(buckets):
-    for position, spec in enumerate(bucket):
-      if not isinstance(spec, TensorSpec):
-        raise TypeError(f'torch_xla_patches.serve: signature {index}, '
-                        f'argument {position} is {type(spec).__name__}, '
-                        'expected a TensorSpec')
-    if ArgumentLayout.of(bucket) != ArgumentLayout.of(buckets[0]):
+    if bucket.layout() != first:
       raise ValueError(
           f'torch_xla_patches.serve: signature {index} has arguments '
-          f'{ArgumentLayout.of(bucket).describe()}, signature 0 '
-          f'{ArgumentLayout.of(buckets[0]).describe()}; every bucket must '
-          'have the same dtypes and ranks')
+          f'{call_spec.describe_layout(bucket.layout())}, signature 0 '
+          f'{call_spec.describe_layout(first)}; every bucket must have the '
+          'same structure, dtypes, ranks and constants')
   return buckets
 
 
@@ -100,41 +99,48 @@ def _check_model(model: Any) -> None:
                        'torch_xla.device() first')
 
 
-def artifact_path(cache_dir: str, model: torch.nn.Module,
-                  layout: ArgumentLayout) -> str:
-  """Where serve() keeps the artifact of `model` (see [Note: Serving
+def serve_key(model: torch.nn.Module, buckets: Sequence[CallSpec]) -> ServeKey:
+  """The key of serve()'s artifact for `model` and `buckets` (see [Note:
+  Serve key])."""
+  return ServeKey.of(
+      model,
+      arguments=buckets[0].layout(),
+      capture=CAPTURE_SETTINGS,
+      formats={
+          'artifact': artifact.FORMAT_VERSION,
+          'compiled_graph': serializable_backend.STATE_FORMAT_VERSION,
+      })
+
+
+def artifact_path(cache_dir: str, key: ServeKey) -> str:
+  """Where serve() keeps the artifact of `key` (see [Note: Serving
   restarts])."""
-  found = runtime.runtime_versions()
-  key = hashlib.sha256(
-      json.dumps(
-          {
-              'source': source_digest.digest(source_digest.source_parts(model)),
-              'versions': dataclasses.asdict(found),
-              'layout': layout.args,
-          },
-          sort_keys=True).encode()).hexdigest()[:16]
-  name = source_digest.model_name(model).replace('.', '_')
-  return os.path.join(cache_dir, SERVE_DIR, f'{name}-{key}{ARTIFACT_SUFFIX}')
+  name = key.model.replace('.', '_')
+  return os.path.join(cache_dir, SERVE_DIR,
+                      f'{name}-{key.digest()}{ARTIFACT_SUFFIX}')
 
 
-def _why_not_found(path: str, model: torch.nn.Module) -> str:
-  """Why no artifact of `model` matches: what the closest one differs in."""
+def _why_not_found(path: str, model: torch.nn.Module, key: ServeKey) -> str:
+  """Why no artifact of `key` exists: what the closest artifact of the same
+  model differs in."""
   prefix = os.path.basename(path).rsplit('-', 1)[0]
   others = sorted(
       glob.glob(
           os.path.join(glob.escape(os.path.dirname(path)),
                        f'{glob.escape(prefix)}-*{ARTIFACT_SUFFIX}')))
-  reasons = []
+  closest: Optional[Tuple[int, str]] = None
   for other in others:
     try:
-      serialization.check(other, model)
-    except serialization.ArtifactError as e:
-      reasons.append(f'{os.path.basename(other)}: {e}')
-      continue
-    reasons.append(f'{os.path.basename(other)} has another argument layout')
-  if not reasons:
+      header, _ = artifact.read_header(other)
+      differences = key.differences(header.serve_key)
+    except artifact.ArtifactError as e:
+      differences = [str(e)]
+    reason = f'{os.path.basename(other)} differs in ' + ' | '.join(differences)
+    if closest is None or len(differences) < closest[0]:
+      closest = (len(differences), reason)
+  if closest is None:
     return 'no artifact of this model yet'
-  return 'none matches; ' + ' | '.join(reasons[-1:])
+  return f'no artifact of this key; the closest, {closest[1]}'
 
 
 class ServedModel:
@@ -147,10 +153,12 @@ class ServedModel:
 
   Args:
     compiled: the compiled callable (an aot_compile'd CompiledModel, or a
-      torch.compile'd module on torch 2.8, which has no fast path).
+      torch.compile'd module on torch 2.8 or where aot_compile could not
+      capture the model, which has no fast path).
     model: the served module.
     artifact: the artifact path this process loaded or wrote, or None.
-    loaded: whether the artifact was loaded (no dynamo frame).
+    loaded: whether the artifact was loaded and serves the buckets (no
+      dynamo frame).
   """
 
   def __init__(self, compiled: Any, model: torch.nn.Module,
@@ -163,65 +171,102 @@ class ServedModel:
         compiled, serialization.CompiledModel) else None)
     self._retraced = None
 
-  def __call__(self, *args):
+  def __call__(self, *args, **kwargs):
     fast_path = self.fast_path
     if fast_path is not None:
-      result = fast_path.run(args)
+      result = fast_path.run(args, kwargs)
       if result is not fast_dispatch.NOT_RUN:
         return result
-    return self._full_call(args)
+    return self._full_call(args, kwargs)
 
-  def _full_call(self, args: Sequence[Any]) -> Any:
+  def _full_call(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
     compiled = self.compiled
     if self.fast_path is None:
       with torch.no_grad():
-        return compiled(*args)
-    if not compiled.guard_check(*args):
-      return self._retrace(args)
+        return compiled(*args, **kwargs)
+    if not compiled.guard_check(*args, **kwargs):
+      return self._retrace(args, kwargs)
     with compiled.backend_callable.observed_calls() as calls:
-      result = compiled.call_checked(*args)
-    self.fast_path.learn(args, result, calls)
+      result = compiled.call_checked(*args, **kwargs)
+    self.fast_path.learn(args, kwargs, result, calls)
     return result
 
-  def _retrace(self, args: Sequence[Any]) -> Any:
+  def _retrace(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
     """Serves a call the captured code does not apply to (another dtype, a
     changed module, ...) as torch.compile would: dynamo traces it again."""
     fast_dispatch.count_retrace()
     if self._retraced is None:
       logger.info(
-          'torch_xla_patches.serve: dynamo\'s guards refused a call of %s; '
-          'such calls are traced again with torch.compile (said once)',
-          type(self.model).__name__)
+          'torch_xla_patches.serve: dynamo\'s guards refused a call of %s '
+          '(%s); such calls are traced again with torch.compile (said once)',
+          type(self.model).__name__,
+          self.compiled.guard_failure(*args, **kwargs))
       self._retraced = torch.compile(self.model,
                                      backend='openxla',
                                      dynamic=True)
     with torch.no_grad():
-      return self._retraced(*args)
+      return self._retraced(*args, **kwargs)
 
 
-def _compile_buckets(served: ServedModel, buckets: Sequence[tuple]) -> None:
+def _compile_buckets(served: ServedModel, buckets: Sequence[CallSpec]) -> None:
   warmup.precompile(served, buckets, progress=config.precompile_progress)
 
 
-def _save(compiled: Any, path: str) -> None:
+def _save(compiled: Any, path: str, key: ServeKey) -> None:
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    serialization.save(compiled, path)
+    serialization.save(compiled, path, serve_key=key.parts())
   except OSError as e:
     logger.warning(
         'torch_xla_patches.serve: could not write %s (%s); the next restart '
         'traces again', path, e)
 
 
-def _example(buckets: Sequence[tuple]) -> tuple:
+def _example(buckets: Sequence[CallSpec]) -> CallSpec:
   """The bucket to capture with: its smallest size largest, so that no size
   of 1 is captured (dynamo specializes 1)."""
   return max(buckets,
-             key=lambda b: min((min(s.shape, default=2) for s in b), default=2))
+             key=lambda b: min(
+                 (min(s.shape, default=2) for s in b.tensor_specs), default=2))
+
+
+def _refused_bucket(compiled: serialization.CompiledModel,
+                    buckets: Sequence[CallSpec]) -> Optional[str]:
+  """Why the loaded guards refuse a bucket, if they refuse one."""
+  import torch_xla
+  device = torch_xla.device()
+  for index, bucket in enumerate(buckets):
+    args, kwargs = bucket.materialize(device)
+    if not compiled.guard_check(*args, **kwargs):
+      return (f'its guards refuse bucket {index} {bucket.describe()}: '
+              f'{compiled.guard_failure(*args, **kwargs)}')
+  return None
+
+
+def _load(path: str, model: torch.nn.Module, key: ServeKey,
+          buckets: Sequence[CallSpec]) -> Tuple[Optional[Any], str]:
+  """(the loaded artifact, '') if it serves the buckets, else (None, why
+  not)."""
+  if not os.path.lexists(path):
+    return None, _why_not_found(path, model, key)
+  try:
+    header = serialization.check(path, model)
+    differences = key.differences(header.serve_key)
+    if differences:
+      return None, f'{path} differs in ' + ' | '.join(differences)
+    compiled = serialization.load(path, model=model, precompile=False)
+  except Exception as e:  # pylint: disable=broad-except
+    # Whatever the file holds, it is a reason to trace, never a failure of
+    # serve() (see [Note: Serving restarts]).
+    return None, f'{path} does not load: {type(e).__name__}: {e}'
+  refused = _refused_bucket(compiled, buckets)
+  if refused is not None:
+    return None, f'{path} is replaced: {refused}'
+  return compiled, ''
 
 
 def serve(model: torch.nn.Module,
-          signatures: Iterable[Sequence[TensorSpec]],
+          signatures: Iterable[Any],
           *,
           cache_dir: Optional[str] = None) -> ServedModel:
   """See torch_xla_patches.serve."""
@@ -230,36 +275,38 @@ def serve(model: torch.nn.Module,
   buckets = _buckets(signatures)
   cache_dir = os.fspath(cache_dir) if cache_dir else config.cache_dir
   if not versions.has_torch_aot_compile():
-    return _serve_without_aot_compile(model, buckets)
-  layout = ArgumentLayout.of(buckets[0])
-  path = artifact_path(cache_dir, model, layout) if cache_dir else None
+    _say_no_aot_compile()
+    return _serve_with_torch_compile(model, buckets)
+  key = serve_key(model, buckets)
+  path = artifact_path(cache_dir, key) if cache_dir else None
   if path is not None:
-    reason = None
-    if not os.path.lexists(path):
-      reason = _why_not_found(path, model)
-    else:
-      try:
-        compiled = serialization.load(path, model=model, precompile=False)
-      except serialization.ArtifactError as e:
-        reason = str(e)
-    if reason is None:
+    compiled, reason = _load(path, model, key, buckets)
+    if compiled is not None:
       served = ServedModel(compiled, model, path, loaded=True)
       _compile_buckets(served, buckets)
       return served
-    logger.info('torch_xla_patches.serve: tracing %s (%s)',
-                source_digest.model_name(model), reason)
-  device = torch_xla.device()
-  example = tuple(spec.materialize(device) for spec in _example(buckets))
-  compiled = serialization.aot_compile(model, example)
+    logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model, reason)
+  args, kwargs = _example(buckets).materialize(torch_xla.device())
+  try:
+    compiled = serialization.aot_compile(model, args, kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    # Whatever torch.compile traces, serve() serves: the capture's own
+    # limits (a guard it cannot save, a form it cannot bind) are no reason
+    # to fail.
+    logger.warning(
+        'torch_xla_patches.serve: aot_compile cannot capture %s (%s: %s); '
+        'serving it through torch.compile, which traces dynamo again in '
+        'every process', key.model,
+        type(e).__name__, e)
+    return _serve_with_torch_compile(model, buckets)
   served = ServedModel(compiled, model, path, loaded=False)
   _compile_buckets(served, buckets)
   if path is not None:
-    _save(compiled, path)
+    _save(compiled, path, key)
   return served
 
 
-def _serve_without_aot_compile(model: torch.nn.Module,
-                               buckets: Sequence[tuple]) -> ServedModel:
+def _say_no_aot_compile() -> None:
   global _warned_no_aot_compile
   if not _warned_no_aot_compile:
     _warned_no_aot_compile = True
@@ -267,6 +314,10 @@ def _serve_without_aot_compile(model: torch.nn.Module,
         'torch_xla_patches.serve: torch %s has no aot_compile, so every '
         'restart traces the model with dynamo again; the signature index '
         'still compiles the recorded signatures first.', torch.__version__)
+
+
+def _serve_with_torch_compile(model: torch.nn.Module,
+                              buckets: Sequence[CallSpec]) -> ServedModel:
   compiled = torch.compile(model, backend='openxla', dynamic=True)
   served = ServedModel(compiled, model, None, loaded=False)
   _compile_buckets(served, buckets)

@@ -94,6 +94,43 @@ def aot_captured_function(aot_fn: Any) -> Callable[..., Any]:
   return function
 
 
+def serializable_guards(entries: Sequence[Any]) -> List[bool]:
+  """aot_compile's guard filter: keeps every guard that can be saved and
+  compared again after a restart, global ones included.
+
+  [Note: Guards kept by aot_compile]
+  Given no filter, torch 2.9's aot_compile drops every global guard
+  (a module-level flag or constant the forward reads) with the guard types
+  it cannot serialize. This filter drops only the latter: ID_MATCH,
+  FUNCTION_MATCH, CLOSURE_MATCH, DICT_VERSION, NN_MODULE and WEAKREF_ALIVE
+  (object identities, meaningless in another process: the modules and
+  functions the forward calls), alone or as a guard's derived type, and a
+  TYPE_MATCH on a class defined inside a function (it cannot be pickled by
+  name; transformers' `kernels` dependency makes such modules). Value guards
+  on globals (CONSTANT_MATCH, EQUALS_MATCH: `FLAG`, `SCALE`), type guards on
+  importable classes, tensor, shape and global-state guards are kept and
+  checked by value after a restart."""
+  manager = _attribute('torch._dynamo.guards', 'CheckFunctionManager')
+  unsupported = frozenset(manager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+  kept = []
+  for entry in entries:
+    keep = (entry.guard_type not in unsupported and
+            unsupported.isdisjoint(entry.derived_guard_types))
+    if (entry.guard_type in ('TYPE_MATCH', 'BUILTIN_MATCH') and
+        getattr(entry.orig_guard, '_unserializable', False)):
+      keep = False
+    kept.append(keep)
+  return kept
+
+
+def aot_guard_failure(aot_fn: Any, *args, **kwargs) -> str:
+  """The first guard of an AOTCompiledFunction that refuses this call."""
+  artifacts = aot_artifacts(aot_fn)
+  bind_locals = _attribute('torch._dynamo.aot_compile', 'bind_locals')
+  f_locals = bind_locals(artifacts.signature, *args, **kwargs)
+  return str(artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)
+
+
 def backend_registry() -> Dict[str, Any]:
   """dynamo's {backend name: compiler function} dict."""
   return _attribute('torch._dynamo.backends.registry', '_COMPILER_FNS')

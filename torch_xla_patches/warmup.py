@@ -11,16 +11,18 @@ and the XLA compiles run on worker threads, overlapping the traces (see
 after another, on the calling thread.
 """
 import dataclasses
+import functools
 import logging
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 import torch_xla
 
 from torch_xla_patches.backlog import compile_stats
-from torch_xla_patches import config, dynamo_bridge, io_utils
+from torch_xla_patches import call_spec, config, dynamo_bridge, io_utils
+from torch_xla_patches.call_spec import CallSpec
 from torch_xla_patches.io_utils import TensorSpec
 
 logger = logging.getLogger('torch_xla_patches.precompile')
@@ -36,7 +38,10 @@ class PrecompiledSignature:
   xla_compiles: int
 
 
-def _describe(args: Sequence[Any]) -> str:
+def _describe(args: Sequence[Any], kwargs: Dict[str, Any]) -> str:
+  if kwargs or not all(
+      isinstance(a, (torch.Tensor, bool, int, float)) for a in args):
+    return call_spec.spec_of_call(args, kwargs).describe()
   return ' '.join(
       io_utils.describe_arg_spec(io_utils.arg_spec(a)) for a in args)
 
@@ -62,7 +67,10 @@ class _Progress:
         item.description, item.seconds, item.compile_seconds, eta)
 
 
-def _materialize(spec: Any, device) -> Tuple[Any, ...]:
+def _materialize(spec: Any, device) -> Tuple[tuple, Dict[str, Any]]:
+  """(args, kwargs) of one entry of precompile's specs."""
+  if isinstance(spec, CallSpec):
+    return spec.materialize(device)
   items = spec if isinstance(spec, (tuple, list)) else (spec,)
   args = []
   for item in items:
@@ -72,7 +80,7 @@ def _materialize(spec: Any, device) -> Tuple[Any, ...]:
       args.append(item.to(device))
     else:
       args.append(item)
-  return tuple(args)
+  return tuple(args), {}
 
 
 def precompile(compiled_fn: Callable,
@@ -83,9 +91,10 @@ def precompile(compiled_fn: Callable,
   Args:
     compiled_fn: a callable made by torch.compile(..., backend='openxla'),
       ideally with dynamic=True so dynamo traces once.
-    specs: one entry per signature: a tuple of positional arguments, each a
-      tensor, a TensorSpec, or a Python number (a single non-tuple item is a
-      one-argument call).
+    specs: one entry per signature: a CallSpec (keyword and nested
+      arguments, see [Note: Served call structure]), or a tuple of
+      positional arguments, each a tensor, a TensorSpec, or a Python number
+      (a single non-tuple item is a one-argument call).
     progress: log a line per signature (signature, seconds, ETA) on the
       `torch_xla_patches.precompile` logger.
   Returns:
@@ -98,22 +107,22 @@ def precompile(compiled_fn: Callable,
                                    config.compile_workers)
   report = []
   for spec in specs:
-    args = _materialize(spec, device)
-    item = _timed_call(compiled_fn, args)
+    args, kwargs = _materialize(spec, device)
+    item = _timed_call(compiled_fn, args, kwargs)
     report.append(item)
     bar.step(item)
   return report
 
 
-def _timed_call(compiled_fn: Callable,
-                args: Tuple[Any, ...]) -> PrecompiledSignature:
+def _timed_call(compiled_fn: Callable, args: Tuple[Any, ...],
+                kwargs: Dict[str, Any]) -> PrecompiledSignature:
   compiles_before, compile_seconds_before = compile_stats()
   start = time.perf_counter()
-  compiled_fn(*args)
+  compiled_fn(*args, **kwargs)
   torch_xla.sync()
   seconds = time.perf_counter() - start
   compiles_after, compile_seconds_after = compile_stats()
-  return PrecompiledSignature(description=_describe(args),
+  return PrecompiledSignature(description=_describe(args, kwargs),
                               seconds=seconds,
                               compile_seconds=compile_seconds_after -
                               compile_seconds_before,
@@ -129,31 +138,31 @@ def _precompile_in_parallel(compiled_fn: Callable, specs: Sequence[Any],
   device = torch_xla.device()
   calls = dynamo_bridge.PrecompileCalls(workers)
   report: List[Optional[PrecompiledSignature]] = [None] * len(specs)
-  # (spec index, claim number, arguments, seconds of the first pass)
+  # (spec index, claim number, args, kwargs, seconds of the first pass)
   stopped = []
   for index, spec in enumerate(specs):
-    args = _materialize(spec, device)
+    args, kwargs = _materialize(spec, device)
     compiles_before, compile_seconds_before = compile_stats()
     start = time.perf_counter()
-    claim = calls.call(compiled_fn, args)
+    claim = calls.call(functools.partial(compiled_fn, **kwargs), args)
     if claim is None:
       torch_xla.sync()
       compiles_after, compile_seconds_after = compile_stats()
       report[index] = PrecompiledSignature(
-          description=_describe(args),
+          description=_describe(args, kwargs),
           seconds=time.perf_counter() - start,
           compile_seconds=compile_seconds_after - compile_seconds_before,
           xla_compiles=compiles_after - compiles_before)
       bar.step(report[index])
     else:
-      stopped.append((index, claim, args, time.perf_counter() - start))
+      stopped.append((index, claim, args, kwargs, time.perf_counter() - start))
   compiled = calls.compile()
   first_of_claim = set()
-  for index, claim, args, first_seconds in stopped:
+  for index, claim, args, kwargs, first_seconds in stopped:
     if claim >= compiled.ready:
       # Where the serial precompile would have raised it.
       raise compiled.error
-    item = _timed_call(compiled_fn, args)
+    item = _timed_call(compiled_fn, args, kwargs)
     # Its claimed signature's compile (a later graph of the call may have
     # compiled during the call itself).
     first = claim not in first_of_claim

@@ -1,0 +1,265 @@
+"""A served call's arguments as one structure: CallSpec, call_key, layout.
+
+[Note: Served call structure]
+A served model is called as it is called eagerly: positional and keyword
+arguments, each a tensor, a Python scalar, a string, None, or a list, tuple
+or dict nesting them (per-layer caches, a dict of inputs). Walking a call's
+(args, kwargs) gives its leaves, in order, and its key:
+  * the structure: container types, lengths and dict keys. Keyword
+    arguments are taken in name order, so the order a caller writes them in
+    is not part of the key;
+  * per tensor leaf, its type, shape, dtype, device and requires_grad (what
+    dynamo's tensor guards compare);
+  * per other leaf, its type and value. An int leaf may be symbolic in the
+    captured graph (dynamic=True) and then feeds the bridge's signature by
+    value; a bool, float, string or None is a constant dynamo guards on.
+    Either way another value is another key, so a key decides the program.
+A call the walk cannot key (another container type, a tensor passed twice,
+which dynamo guards as an alias) has no key: it takes the full path.
+
+Buckets are described the same way, with TensorSpec for tensors: CallSpec
+holds (args, kwargs) of TensorSpec and constants. Its `layout` is what every
+bucket of one served model shares and what an artifact is made for: the
+structure, each tensor's dtype and rank, each int as an int (its value may
+vary), and every other constant by value.
+"""
+import dataclasses
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+from torch_xla_patches import io_utils
+from torch_xla_patches.io_utils import TensorSpec
+
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+class CallStructureError(TypeError):
+  """A bucket or call that cannot be described; the message names the
+  argument."""
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class CallSpec:
+  """One serving bucket: the arguments of a call, with a TensorSpec for each
+  tensor, as the model is called.
+
+    CallSpec(TensorSpec((4, 128), torch.long),
+             attention_mask=TensorSpec((4, 128), torch.long))
+    CallSpec(tokens_spec, [cache_spec] * layers, position=0)
+
+  Args:
+    *args, **kwargs: TensorSpecs, Python scalars, strings and None, nested in
+      lists, tuples and dicts (see [Note: Served call structure]).
+  """
+  args: tuple
+  kwargs: Dict[str, Any]
+
+  def __init__(self, *args, **kwargs):
+    object.__setattr__(self, 'args', tuple(args))
+    object.__setattr__(self, 'kwargs', dict(kwargs))
+    for index, arg in enumerate(self.args):
+      _check_spec_tree(arg, f'argument {index}')
+    for name, arg in self.kwargs.items():
+      _check_spec_tree(arg, f'argument {name!r}')
+
+  @classmethod
+  def of(cls, bucket: Any) -> 'CallSpec':
+    """A bucket as serve() and precompile() take it: a CallSpec, a tuple or
+    list of positional argument specs, or one TensorSpec."""
+    if isinstance(bucket, CallSpec):
+      return bucket
+    if isinstance(bucket, TensorSpec):
+      return cls(bucket)
+    if isinstance(bucket, (tuple, list)):
+      return cls(*bucket)
+    raise CallStructureError(
+        f'a bucket is a CallSpec, a tuple of argument specs or a TensorSpec, '
+        f'not {type(bucket).__name__}')
+
+  def materialize(self, device: Any) -> Tuple[tuple, Dict[str, Any]]:
+    """(args, kwargs) with zeros for every TensorSpec (made on the host and
+    copied, see io_utils.zeros_on_device)."""
+    return (_materialize(self.args, device), _materialize(self.kwargs, device))
+
+  @property
+  def tensor_specs(self) -> List[TensorSpec]:
+    leaves: List[Any] = []
+    _spec_leaves((self.args, self.kwargs), leaves)
+    return [leaf for leaf in leaves if isinstance(leaf, TensorSpec)]
+
+  def layout(self) -> Hashable:
+    """What buckets of one model share (see [Note: Served call
+    structure]): a JSON-able nesting of lists."""
+    kwargs = _sorted(self.kwargs)
+    return [
+        'call', [_layout(arg) for arg in self.args],
+        [[name, _layout(value)] for name, value in kwargs.items()]
+    ]
+
+  def describe(self) -> str:
+    parts = [_describe(arg) for arg in self.args]
+    parts += [
+        f'{name}={_describe(value)}' for name, value in self.kwargs.items()
+    ]
+    return '(' + ', '.join(parts) + ')'
+
+
+def _sorted(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+  return {name: kwargs[name] for name in sorted(kwargs)}
+
+
+def _check_spec_tree(value: Any, where: str) -> None:
+  if isinstance(value, (TensorSpec,) + _CONSTANT_TYPES):
+    return
+  if isinstance(value, (tuple, list)):
+    for index, item in enumerate(value):
+      _check_spec_tree(item, f'{where}[{index}]')
+    return
+  if isinstance(value, dict):
+    for name, item in value.items():
+      if not isinstance(name, str):
+        raise CallStructureError(
+            f'{where} has a dict key {name!r}; dict keys must be strings')
+      _check_spec_tree(item, f'{where}[{name!r}]')
+    return
+  raise CallStructureError(
+      f'{where} is {type(value).__name__}; describe tensors with TensorSpec '
+      'and other arguments as Python scalars, strings, None, or lists, '
+      'tuples and dicts of them')
+
+
+def _materialize(value: Any, device: Any) -> Any:
+  if isinstance(value, TensorSpec):
+    return value.materialize(device)
+  if isinstance(value, (tuple, list)):
+    return type(value)(_materialize(item, device) for item in value)
+  if isinstance(value, dict):
+    return {name: _materialize(item, device) for name, item in value.items()}
+  return value
+
+
+def _spec_leaves(value: Any, leaves: List[Any]) -> None:
+  if isinstance(value, (tuple, list)):
+    for item in value:
+      _spec_leaves(item, leaves)
+  elif isinstance(value, dict):
+    for item in value.values():
+      _spec_leaves(item, leaves)
+  else:
+    leaves.append(value)
+
+
+def _layout(value: Any) -> Any:
+  if isinstance(value, TensorSpec):
+    return ['tensor', io_utils.dtype_name(value.dtype), len(value.shape)]
+  if isinstance(value, (tuple, list)):
+    return [type(value).__name__, [_layout(item) for item in value]]
+  if isinstance(value, dict):
+    return ['dict', [[name, _layout(item)] for name, item in value.items()]]
+  if isinstance(value, int) and not isinstance(value, bool):
+    return ['int']
+  return [type(value).__name__, value]
+
+
+def _describe(value: Any) -> str:
+  if isinstance(value, TensorSpec):
+    return value.describe()
+  if isinstance(value, tuple):
+    return '(' + ', '.join(_describe(item) for item in value) + ')'
+  if isinstance(value, list):
+    return '[' + ', '.join(_describe(item) for item in value) + ']'
+  if isinstance(value, dict):
+    return '{' + ', '.join(
+        f'{name!r}: {_describe(item)}' for name, item in value.items()) + '}'
+  return repr(value)
+
+
+def describe_layout(layout: Any) -> str:
+  """A layout (CallSpec.layout) as one line, for messages."""
+  kind = layout[0]
+  if kind == 'call':
+    parts = [describe_layout(item) for item in layout[1]]
+    parts += [f'{name}={describe_layout(item)}' for name, item in layout[2]]
+    return '(' + ', '.join(parts) + ')'
+  if kind == 'tensor':
+    return f'{layout[1]}[rank {layout[2]}]'
+  if kind == 'int':
+    return 'int'
+  if kind in ('tuple', 'list'):
+    inner = ', '.join(describe_layout(item) for item in layout[1])
+    return f'({inner})' if kind == 'tuple' else f'[{inner}]'
+  if kind == 'dict':
+    return '{' + ', '.join(
+        f'{name}: {describe_layout(item)}' for name, item in layout[1]) + '}'
+  return repr(layout[1])
+
+
+# -- calls
+
+
+def call_key(args: tuple,
+             kwargs: Dict[str, Any]) -> Tuple[Optional[Hashable], List[Any]]:
+  """(key, leaves) of a call (see [Note: Served call structure]); the key is
+  None for a call that cannot be keyed. Leaves are in walk order, keyword
+  arguments by name."""
+  if not kwargs and len(args) == 1:
+    # The common case, without a walk.
+    (arg,) = args
+    if type(arg) is torch.Tensor:
+      return (arg.shape, arg.dtype, arg.device, arg.requires_grad), [arg]
+  leaves: List[Any] = []
+  parts: List[Any] = []
+  try:
+    _walk(args, leaves, parts)
+    if kwargs:
+      names = tuple(sorted(kwargs))
+      parts.append(names)
+      for name in names:
+        _walk(kwargs[name], leaves, parts)
+  except _Unkeyable:
+    return None, leaves
+  tensors = [id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
+  if len(set(tensors)) != len(tensors):
+    return None, leaves
+  return tuple(parts), leaves
+
+
+class _Unkeyable(Exception):
+  pass
+
+
+def _walk(value: Any, leaves: List[Any], parts: List[Any]) -> None:
+  kind = type(value)
+  if isinstance(value, torch.Tensor):
+    leaves.append(value)
+    parts.append(
+        (kind, value.shape, value.dtype, value.device, value.requires_grad))
+  elif kind is tuple or kind is list:
+    parts.append((kind, len(value)))
+    for item in value:
+      _walk(item, leaves, parts)
+  elif kind is dict:
+    parts.append((dict, tuple(value)))
+    for item in value.values():
+      _walk(item, leaves, parts)
+  elif kind in _CONSTANT_TYPES:
+    leaves.append(value)
+    parts.append((kind, value))
+  else:
+    raise _Unkeyable()
+
+
+def spec_of_call(args: Sequence[Any], kwargs: Dict[str, Any]) -> CallSpec:
+  """The CallSpec a call fits (its tensors' sizes and dtypes)."""
+  return CallSpec(*_spec_of(tuple(args)), **_spec_of(dict(kwargs)))
+
+
+def _spec_of(value: Any) -> Any:
+  if isinstance(value, torch.Tensor):
+    return TensorSpec.of(value)
+  if isinstance(value, (tuple, list)):
+    return type(value)(_spec_of(item) for item in value)
+  if isinstance(value, dict):
+    return {name: _spec_of(item) for name, item in value.items()}
+  return value
