@@ -24,6 +24,7 @@ structure, each tensor's dtype and rank, each int as an int (its value may
 vary), and every other constant by value.
 """
 import dataclasses
+import inspect
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -263,3 +264,48 @@ def _spec_of(value: Any) -> Any:
   if isinstance(value, dict):
     return {name: _spec_of(item) for name, item in value.items()}
   return value
+
+
+class KeywordBinding:
+  """Binds a call of a module to its forward's parameter names, so that
+  `model(ids, mask)`, `model(ids, attention_mask=mask)` and
+  `model(input_ids=ids, attention_mask=mask)` are one call: no positional
+  arguments and the keyword arguments in parameter order. dynamo guards
+  the structure of what it captured, so without this one of them would be
+  another capture. A forward with *args or positional-only parameters, or a
+  call its signature does not bind (the model raises for it as it would
+  eagerly), is left as called.
+
+  Args:
+    forward: the module's forward; its signature is read through
+      `__wrapped__` (the parameters a decorator passes on).
+  """
+
+  def __init__(self, forward: Any):
+    try:
+      signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+      signature = None
+    if signature is not None and any(
+        parameter.kind in (inspect.Parameter.VAR_POSITIONAL,
+                           inspect.Parameter.POSITIONAL_ONLY)
+        for parameter in signature.parameters.values()):
+      signature = None
+    self._signature = signature
+
+  def __call__(self, args: tuple,
+               kwargs: Dict[str, Any]) -> Tuple[tuple, Dict[str, Any]]:
+    signature = self._signature
+    if signature is None:
+      return args, kwargs
+    try:
+      bound = signature.bind(*args, **kwargs)
+    except TypeError:
+      return args, kwargs
+    named: Dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+      if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+        named.update(value)
+      else:
+        named[name] = value
+    return (), named

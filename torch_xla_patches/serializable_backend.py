@@ -29,8 +29,43 @@ STATE_FORMAT_VERSION = 1
 SerializableCallable = torch_internals.serializable_callable_base()
 
 
+def _explicit_slices(graph_module: torch.fx.GraphModule) -> None:
+  """Makes each slice whose bounds are graph values (`x[:, :seq]` with a
+  symbolic `seq`) a node of its own, `slice(start, stop, step)`.
+
+  torch's GraphPickler maps the nodes in a node's arguments through pytree,
+  which does not look inside a slice object, and refuses a node it finds
+  there (Hugging Face's BERT slices its position ids so). The graph computes
+  the same: the slice is built from the same values where it was used."""
+  graph = graph_module.graph
+  changed = False
+
+  def rewrite(value: Any, user: torch.fx.Node) -> Any:
+    nonlocal changed
+    if isinstance(value, slice):
+      bounds = (value.start, value.stop, value.step)
+      if any(isinstance(bound, torch.fx.Node) for bound in bounds):
+        changed = True
+        with graph.inserting_before(user):
+          return graph.call_function(slice, bounds)
+      return value
+    if isinstance(value, (tuple, list)):
+      return type(value)(rewrite(item, user) for item in value)
+    if isinstance(value, dict):
+      return {key: rewrite(item, user) for key, item in value.items()}
+    return value
+
+  for node in list(graph.nodes):
+    if node.op in ('call_function', 'call_method', 'call_module'):
+      node.args = rewrite(node.args, node)
+      node.kwargs = rewrite(node.kwargs, node)
+  if changed:
+    graph_module.recompile()
+
+
 def _pickle_graph(graph_module: torch.fx.GraphModule) -> bytes:
   GraphPickler, Options = torch_internals.graph_pickler()
+  _explicit_slices(graph_module)
   for node in graph_module.graph.nodes:
     # dynamo keeps a placeholder's fake value under 'example_value'; the
     # bridge's ArgLayout reads 'val' to tell static from symbolic sizes.

@@ -84,7 +84,8 @@ class ServeKey:
       return ['the artifact has no serve key (written by another format)']
     ours = self.parts()
     found = []
-    for name, value in ours.items():
+    for field in dataclasses.fields(self):
+      name, value = field.name, ours[field.name]
       theirs = other.get(name)
       if theirs != value:
         found.append(f'{name}: {_first_differences(theirs, value)}')

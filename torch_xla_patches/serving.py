@@ -169,6 +169,7 @@ class ServedModel:
     self.loaded = loaded
     self.fast_path = (fast_dispatch.FastPath(compiled, model) if isinstance(
         compiled, serialization.CompiledModel) else None)
+    self._bind = call_spec.KeywordBinding(model.forward)
     self._retraced = None
 
   def __call__(self, *args, **kwargs):
@@ -184,10 +185,12 @@ class ServedModel:
     if self.fast_path is None:
       with torch.no_grad():
         return compiled(*args, **kwargs)
-    if not compiled.guard_check(*args, **kwargs):
+    # The capture's arguments were bound so too (see _capture).
+    bound_args, bound_kwargs = self._bind(args, kwargs)
+    if not compiled.guard_check(*bound_args, **bound_kwargs):
       return self._retrace(args, kwargs)
     with compiled.backend_callable.observed_calls() as calls:
-      result = compiled.call_checked(*args, **kwargs)
+      result = compiled.call_checked(*bound_args, **bound_kwargs)
     self.fast_path.learn(args, kwargs, result, calls)
     return result
 
@@ -235,8 +238,9 @@ def _refused_bucket(compiled: serialization.CompiledModel,
   """Why the loaded guards refuse a bucket, if they refuse one."""
   import torch_xla
   device = torch_xla.device()
+  bind = call_spec.KeywordBinding(compiled.model.forward)
   for index, bucket in enumerate(buckets):
-    args, kwargs = bucket.materialize(device)
+    args, kwargs = bind(*bucket.materialize(device))
     if not compiled.guard_check(*args, **kwargs):
       return (f'its guards refuse bucket {index} {bucket.describe()}: '
               f'{compiled.guard_failure(*args, **kwargs)}')
@@ -286,7 +290,10 @@ def serve(model: torch.nn.Module,
       _compile_buckets(served, buckets)
       return served
     logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model, reason)
-  args, kwargs = _example(buckets).materialize(torch_xla.device())
+  # Bound to the forward's parameter names, as full calls are (see
+  # call_spec.KeywordBinding).
+  args, kwargs = call_spec.KeywordBinding(
+      model.forward)(*_example(buckets).materialize(torch_xla.device()))
   try:
     compiled = serialization.aot_compile(model, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except

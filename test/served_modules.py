@@ -1,0 +1,53 @@
+"""Modules for test_serve_signatures.py, at a module's top level: torch's
+aot_compile cannot save a guard on a class defined in a function."""
+import functools
+
+import torch
+
+# A module-level flag the forward reads: a global guard (see [Note: Guards
+# kept by aot_compile]).
+DOUBLE = False
+
+
+def passes_everything_on(forward):
+  """A decorator of Hugging Face's form: wrapper(self, *args, **kwargs)."""
+
+  @functools.wraps(forward)
+  def wrapper(self, *args, **kwargs):
+    return forward(self, *args, **kwargs)
+
+  return wrapper
+
+
+class Decorated(torch.nn.Module):
+  """A decorated forward with a keyword-only parameter and defaults."""
+
+  def __init__(self, width=16):
+    super().__init__()
+    self.proj = torch.nn.Linear(width, width)
+    self.width = width
+
+  @passes_everything_on
+  def forward(self, x, mask=None, *, scale: float = 1.0):
+    y = self.proj(x) * scale
+    if mask is not None:
+      y = y * mask
+    if DOUBLE:
+      y = y * 2
+    return {'y': y, 'total': y.sum(dim=-1)}
+
+
+class LayeredStep(torch.nn.Module):
+  """A step over a list of per-layer tensors, with a static scalar."""
+
+  def __init__(self, width=16, layers=2):
+    super().__init__()
+    self.layers = torch.nn.ModuleList(
+        torch.nn.Linear(width, width) for _ in range(layers))
+
+  def forward(self, x, caches, scale=1.0, note=None):
+    outputs = []
+    for layer, cache in zip(self.layers, caches):
+      x = torch.tanh(layer(x) + cache.mean(dim=0))
+      outputs.append(x * scale)
+    return x, outputs
