@@ -105,6 +105,13 @@ def apply(*,
     for module in (upstream_bridge, core_bridge):
       _registry.set(module, 'extract_compiled_graph',
                     dynamo_bridge.extract_compiled_graph)
+    # AOTAutograd's in-place updates of inputs, for buffer donation (see
+    # [Note: Donating in-place updates]).
+    backend_module = torch_internals.xla_backend_module()
+    _registry.set(
+        backend_module, 'xla_backend_helper',
+        dynamo_bridge.record_mutated_inputs(
+            _registry.original(backend_module, 'xla_backend_helper')))
     if config.automatic_dynamic_shapes:
       _registry.set(dynamo_config, 'automatic_dynamic_shapes', True)
     if not config.cpp_symbolic_shape_guards:

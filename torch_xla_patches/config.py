@@ -166,6 +166,16 @@ install_decompositions = _flag('install_decompositions',
                                BOOL,
                                changes_program=True)
 
+# Alias each argument or buffer a graph updates in place to its output
+# (buffer donation), so the update happens in the argument's own buffer
+# instead of a copy of it (see [Note: Donating in-place updates] in
+# dynamo_bridge.py). A donating program is another program.
+donate_inplace_updates = _flag('donate_inplace_updates',
+                               'XLA_PATCHES_DONATE',
+                               True,
+                               BOOL,
+                               changes_program=True)
+
 # Directory of the signature index (see signature_index.py); None: off.
 cache_dir = _flag('cache_dir',
                   'XLA_PATCHES_CACHE_DIR',

@@ -35,7 +35,8 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
                                              get_fallback_ops)
 
 from torch_xla._dynamo import config as upstream_config
-from torch_xla_patches import config, fingerprint, record, signature_index
+from torch_xla_patches import (config, fingerprint, record, signature_index,
+                               torch_internals)
 from torch_xla_patches.backlog import Backlog, StartFunction
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
@@ -62,6 +63,16 @@ COUNTER_MISS = 'DynamoSignatureMiss'  # a new signature was traced + compiled
 COUNTER_RETRACE = 'DynamoEvictedRetrace'  # XLA evicted a program; re-traced
 COUNTER_DROPPED = 'DynamoSignatureDropped'  # over the cap, LRU entry dropped
 COUNTER_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'  # graph partitioned
+# See [Note: Donating in-place updates]: an argument updated in place whose
+# buffer the program takes over (counted once per traced signature), ...
+COUNTER_DONATED = 'DynamoDonatedInput'
+# ... one copied instead because it is a view of another tensor, or shares
+# its data with another argument of the trace, ...
+COUNTER_DONATION_VIEW = 'DynamoDonationSkippedView'
+COUNTER_DONATION_ALIAS = 'DynamoDonationSkippedAlias'
+# ... and a call whose donated argument shares its data with another
+# argument: that argument is copied for the run (counted per call).
+COUNTER_DONATION_COPIED = 'DynamoDonationCopiedAlias'
 # COUNTER_PRECOMPILED and COUNTER_PRECOMPILE_SKIPPED: see backlog.py.
 
 _EVICTED_MESSAGE = 'Failed to get computation by hash'
@@ -218,6 +229,9 @@ class CompiledGraphEntry:
   output_plan: OutputPlan
   # Named form of this entry's signature, for explanations and persistence.
   signature: ShapeSignature
+  # Argument positions whose buffers the program takes over (see [Note:
+  # Donating in-place updates]).
+  donated_positions: Tuple[int, ...] = ()
 
 
 @contextlib.contextmanager
@@ -233,21 +247,26 @@ def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
   tensors = list(tensors)
   clones = [torch.clone(t) for t in tensors]
   try:
-    yield
+    yield functools.partial(_restore, tensors, clones)
   finally:
     _restore_and_clear(tensors, clones)
 
 
-def _restore_and_clear(tensors: List[torch.Tensor],
-                       clones: List[torch.Tensor]) -> None:
+def _restore(tensors: List[torch.Tensor], clones: List[torch.Tensor]) -> None:
   """Copies each clone back into its tensor if the tensor has pending IR, then
   drops the pending IR of every live tensor on the device."""
   flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
   for tensor, clone, updated in zip(tensors, clones, flags):
     if updated:
       tensor.copy_(clone)
-  del clones[:]
   torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
+
+
+def _restore_and_clear(tensors: List[torch.Tensor],
+                       clones: List[torch.Tensor]) -> None:
+  """_restore, then lets the clones go."""
+  _restore(tensors, clones)
+  del clones[:]
 
 
 def _data_id(tensor: torch.Tensor) -> int:
@@ -398,6 +417,182 @@ def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   return TracedGraph(entry=entry, graph_tensors=graph_tensors)
 
 
+# [Note: Donating in-place updates]
+# A graph that updates an argument in place (a KV cache written with
+# index_copy_, a buffer's running statistics) compiles, without aliasing, to
+# a program that writes the whole updated tensor into a new buffer on every
+# call: a copy of the argument per call, and two of it alive at the peak.
+# torch_xla aliases a program input to its output when the input's device
+# data is marked as a buffer donor while the graph is traced and the compile
+# runs under alias_with_buffer_donor_config. So a signature whose trace
+# updates arguments is traced a second time, from the restored arguments,
+# with each updatable argument marked (config.donate_inplace_updates); the
+# donation is part of the graph hash, so a donating program and a copying
+# one never share an entry. Donation hands the argument's buffer to the
+# program, which deletes it, so it is used only where nothing else can still
+# read that buffer:
+#   * not for an argument that is a view of another tensor, nor for one
+#     whose data another argument of the trace shares (one tensor passed
+#     twice, an alias made before the call): copied, counted per reason;
+#   * at each call of a donating program, a donated argument that shares its
+#     data with another argument of that call is replaced for the run by a
+#     copy (counted), and the write-back still goes to the caller's tensor;
+#   * pending IR anywhere on the device may read the buffer (a lazy
+#     `cache.clone()` not yet synced): it is synced before the run, which
+#     costs one call into torch_xla when nothing is pending.
+# A view or alias of a donated argument made by torch_xla (`cache[:16]`,
+# `cache.detach()`) follows the argument's new data, as after any run.
+
+# The FX graph's meta key under which record_mutated_inputs leaves
+# AOTAutograd's mutated inputs for the bridge.
+MUTATED_INPUTS_META = 'torch_xla_patches_mutated_inputs'
+
+
+def record_mutated_inputs(helper: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps torch's `xla_backend_helper` (what the openxla backends call with
+  each graph AOTAutograd compiles) so that the graph carries the positions
+  of the inputs AOTAutograd's epilogue updates from its first outputs (see
+  [Note: Donating in-place updates]): AOTAutograd functionalizes an in-place
+  update of an input into an output and a `copy_` after the graph, so the
+  bridge's trace sees no in-place update."""
+
+  def xla_backend_helper(model, fake_tensor_inputs, boxed=False):
+    mutated = torch_internals.aot_autograd_mutated_inputs()
+    if mutated and _outputs_match_inputs(model, mutated):
+      model.meta[MUTATED_INPUTS_META] = mutated
+    return helper(model, fake_tensor_inputs, boxed=boxed)
+
+  return xla_backend_helper
+
+
+def _outputs_match_inputs(graph_module: torch.fx.GraphModule,
+                          mutated: Tuple[int, ...]) -> bool:
+  """Whether output k of the graph has the dtype and rank of input
+  mutated[k], for each k: AOTAutograd's order, checked."""
+  inputs = [
+      node.meta.get('val')
+      for node in graph_module.graph.nodes
+      if node.op == 'placeholder'
+  ]
+  outputs = next((
+      node.args[0] for node in graph_module.graph.nodes if node.op == 'output'),
+                 ())
+  if not isinstance(outputs, (tuple, list)) or len(outputs) < len(mutated):
+    return False
+  for output, position in zip(outputs, mutated):
+    value = output.meta.get('val') if isinstance(output,
+                                                 torch.fx.Node) else None
+    source = inputs[position] if position < len(inputs) else None
+    if not (isinstance(value, torch.Tensor) and
+            isinstance(source, torch.Tensor) and value.dtype == source.dtype and
+            value.dim() == source.dim()):
+      return False
+  return True
+
+
+def _donatable_positions(args: Sequence[Any], positions: Sequence[int],
+                         layout: ArgLayout) -> Tuple[int, ...]:
+  """The positions among `positions` (updated arguments) that may be
+  donated (see [Note: Donating in-place updates]); counts the others by
+  reason."""
+  positions_of_data: Dict[int, List[int]] = collections.defaultdict(list)
+  for position in layout.tensor_positions:
+    positions_of_data[_data_id(args[position])].append(position)
+  donated = []
+  for position in positions:
+    tensor = args[position]
+    if not isinstance(tensor, torch.Tensor):
+      continue
+    if tensor._is_view():
+      _increment_counter(COUNTER_DONATION_VIEW, 1)
+    elif len(positions_of_data[_data_id(tensor)]) > 1:
+      _increment_counter(COUNTER_DONATION_ALIAS, 1)
+    else:
+      donated.append(position)
+  return tuple(donated)
+
+
+def _mark_updated_by_epilogue(xla_model: torch.fx.GraphModule,
+                              args: Sequence[Any],
+                              layout: ArgLayout) -> Tuple[int, ...]:
+  """Marks as buffer donors, before the trace, the arguments AOTAutograd's
+  epilogue updates (see record_mutated_inputs); returns their positions."""
+  if not config.donate_inplace_updates:
+    return ()
+  donated = _donatable_positions(args,
+                                 xla_model.meta.get(MUTATED_INPUTS_META, ()),
+                                 layout)
+  for position in donated:
+    torch_xla._XLAC._set_buffer_donation(args[position], True)
+  return donated
+
+
+def _trace_donating(
+    xla_model: torch.fx.GraphModule,
+    args: Sequence[Any],
+    layout: ArgLayout,
+    restore: Callable[[], None],
+    traced: Optional[TracedGraph] = None,
+    marked: Tuple[int, ...] = ()
+) -> TracedGraph:
+  """Traces `xla_model` on `args` with donated buffers (see [Note: Donating
+  in-place updates]): the arguments AOTAutograd's epilogue updates are
+  marked before the trace, those the graph updates itself are marked after
+  it and traced again from the arguments `restore` puts back. A caller that
+  traced already passes its result `traced` and the positions it `marked`
+  before."""
+  if traced is None:
+    marked = _mark_updated_by_epilogue(xla_model, args, layout)
+    traced = _trace_graph(xla_model, args, layout)
+  donated = marked
+  updated = [
+      position for position, _ in traced.entry.output_plan.inplace_updates
+  ]
+  if config.donate_inplace_updates and updated:
+    in_graph = _donatable_positions(args, updated, layout)
+    if in_graph:
+      del traced
+      restore()
+      for position in marked + in_graph:
+        torch_xla._XLAC._set_buffer_donation(args[position], True)
+      traced = _trace_graph(xla_model, args, layout)
+      donated = marked + in_graph
+  return _with_donated(traced, donated)
+
+
+def _with_donated(traced: TracedGraph, donated: Tuple[int, ...]) -> TracedGraph:
+  """`traced`, whose trace marked the arguments at `donated` as donors."""
+  if not donated:
+    return traced
+  _increment_counter(COUNTER_DONATED, len(donated))
+  return dataclasses.replace(traced,
+                             entry=dataclasses.replace(
+                                 traced.entry, donated_positions=donated))
+
+
+def prepare_donating_run(entry: CompiledGraphEntry,
+                         args: Sequence[Any]) -> Sequence[Any]:
+  """The arguments to run a donating entry with (see [Note: Donating
+  in-place updates]): pending IR on the device synced, and a donated
+  argument that shares its data with another argument copied."""
+  torch_xla._XLAC._xla_sync_live_tensors(str(torch_xla.device()), [], False)
+  donated = entry.donated_positions
+  tensors = [
+      position for position in entry.graph_input_matcher.arg_idxs
+      if position is not None
+  ]
+  data = collections.Counter(_data_id(args[position]) for position in tensors)
+  if all(data[_data_id(args[position])] == 1 for position in donated):
+    return args
+  run_args = list(args)
+  for position in donated:
+    if data[_data_id(args[position])] > 1:
+      _increment_counter(COUNTER_DONATION_COPIED, 1)
+      run_args[position] = torch.clone(args[position])
+  _sync_pending_inputs([run_args[position] for position in donated])
+  return run_args
+
+
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                          layout: ArgLayout) -> CompiledGraphEntry:
   """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
@@ -406,8 +601,9 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
-  with pending_ir_restored([args[i] for i in layout.tensor_positions]):
-    traced = _trace_graph(xla_model, args, layout)
+  with pending_ir_restored([args[i] for i in layout.tensor_positions
+                           ]) as restore:
+    traced = _trace_donating(xla_model, args, layout, restore)
     if traced.graph_tensors:
       with alias_with_buffer_donor_config():
         compile_graph(traced.graph_tensors)
@@ -505,9 +701,11 @@ class CompileWindow:
     clones = [torch.clone(t) for t in tensors]
     restore = True
     try:
+      marked = _mark_updated_by_epilogue(xla_model, args, layout)
       traced = _trace_graph(xla_model, args, layout)
       if True not in torch_xla._XLAC._check_tensor_need_materialization(
           tensors):
+        traced = _with_donated(traced, marked)
         restore = False
         del clones[:]
         torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
@@ -522,6 +720,9 @@ class CompileWindow:
         return traced.entry, future
       # An in-place update: the serial path, after the compiles in flight.
       self.wait()
+      traced = _trace_donating(xla_model, args, layout,
+                               functools.partial(_restore, tensors, clones),
+                               traced, marked)
       if traced.graph_tensors:
         compile_graph(traced.graph_tensors)
       return traced.entry, None
@@ -1043,9 +1244,11 @@ def extract_internal(xla_model: torch.fx.GraphModule):
         entry = cache.trace(key, args)
       else:
         raise error
+      run_args = (prepare_donating_run(entry, args)
+                  if entry.donated_positions else args)
       try:
         return entry, run_cached_graph(entry.graph_hash,
-                                       entry.graph_input_matcher(args))
+                                       entry.graph_input_matcher(run_args))
       except RuntimeError as next_error:
         error = next_error
     raise error
@@ -1064,9 +1267,11 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     if plan.num_results:
       if not upstream_config.skip_input_data_check:
         _sync_pending_inputs(checked_tensors(args))
+      run_args = (prepare_donating_run(entry, args)
+                  if entry.donated_positions else args)
       try:
         results = run_cached_graph(entry.graph_hash,
-                                   entry.graph_input_matcher(args))
+                                   entry.graph_input_matcher(run_args))
       except RuntimeError as error:
         entry, results = run_after_error(error, key, entry, args)
         plan = entry.output_plan

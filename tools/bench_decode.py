@@ -1,0 +1,604 @@
+"""Decode loops with a KV cache updated in place: step time and peak memory.
+
+  python tools/bench_decode.py [--demo] [--steps 60] [--large-mib 256]
+                               [--huge] [--skip-hf]
+
+Part 1, a paged decode step as vLLM runs it (PagedDecoder below): the decode
+tokens of up to 24 sequences flattened and padded to a bucket of 8, 16 or 32
+tokens, one paged KV cache per layer passed as an argument (a list of
+[num_slots, 2 * d_model] tensors), written in place each step with
+`index_copy_` at `slot_mapping`, and attention of each token over the cache
+rows of its sequence's block table (`context_slots`, [tokens, context]),
+masked past its length. The model is small (2 layers, d_model 64), so with a
+large cache a step costs what writing the cache costs. Each row runs in a
+fresh process of this tool (hidden `--row`), once per cache size:
+  upstream   torch.compile(model, backend='openxla', dynamic=True)
+  patched    torch_xla_patches.apply(), then the same torch.compile
+  serve      torch_xla_patches.serve(model, one CallSpec per bucket)
+The buckets rotate step by step (8, 16, 32 tokens). After warm-up steps (the
+first calls compile), each of --steps steps is timed:
+  step ms        median wall time from the call to after torch_xla.sync()
+                 and xm.wait_device_ops()
+  host us        median CPU time of the calling thread around the call alone
+                 (time.thread_time)
+  large/small    the row's large-cache step ms over its small-cache step ms
+  base RSS       ru_maxrss after imports, weights and inputs, before the
+                 caches are made
+  peak RSS       ru_maxrss after the timed steps (before the eager check)
+  (peak-base)/cache
+                 what the loop added to the peak, in cache + weight bytes:
+                 about 1 where the cache is updated in its own buffer, about
+                 2 where each step writes a new copy of it
+  compiles       XLA compiles during the timed steps (should be 0)
+  donated        the bridge's donated-input counter (DynamoDonatedInput),
+                 where the patch has one
+  vs eager       logits of every real token of every step, and the caches
+                 after the last step (the padding slot left out), against
+                 the same steps run eagerly on the CPU with the same weights
+Part 2, Hugging Face generate with a StaticCache: a tiny LlamaForCausalLM
+built from a LlamaConfig (nothing downloaded) on the XLA device, with
+`model.forward = torch.compile(model.forward, backend='openxla')` as the
+transformers docs show, and `model.generate(ids,
+cache_implementation='static', max_cache_len=L, do_sample=False)` at two
+static cache lengths, upstream and patched, each in a fresh process. The
+forward is timed the same way per call (prefill left out); tokens are
+compared with the same generate run eagerly on the CPU. A row that fails
+prints its error instead of a number.
+
+All rows of one run are measured side by side; compare them as ratios (the
+machine may be shared).
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODES = ('upstream', 'patched', 'serve')
+BUCKETS = (8, 16, 32)
+# Real decode tokens per step, padded to the bucket at the same index.
+REAL_TOKENS = (6, 12, 24)
+LAYERS = 2
+D_MODEL = 64
+HEADS = 4
+VOCAB = 128
+BLOCK_SIZE = 8
+CONTEXT = 32  # positions per sequence: CONTEXT // BLOCK_SIZE blocks each
+PAD_SLOT = 0  # padding tokens write here; no sequence's block holds it
+ROW_BYTES = 2 * D_MODEL * 4  # one cache slot: key and value, float32
+MIB = 1 << 20
+
+HF_CONFIG = dict(vocab_size=96,
+                 hidden_size=32,
+                 intermediate_size=64,
+                 num_hidden_layers=2,
+                 num_attention_heads=4,
+                 num_key_value_heads=2)
+HF_PROMPT = 8
+
+
+class RMSNorm(torch.nn.Module):
+  """Root-mean-square norm with a learned scale."""
+
+  def __init__(self, dim: int, eps: float = 1e-6):
+    super().__init__()
+    self.eps = eps
+    self.weight = torch.nn.Parameter(torch.ones(dim))
+
+  def forward(self, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) +
+                           self.eps) * self.weight
+
+
+class PagedLayer(torch.nn.Module):
+  """One decoder layer whose keys and values live in a paged cache.
+
+  Args:
+    dim: model width.
+    heads: attention heads (dim // heads per head).
+  """
+
+  def __init__(self, dim: int, heads: int):
+    super().__init__()
+    self.heads = heads
+    self.attn_norm = RMSNorm(dim)
+    self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+    self.out = torch.nn.Linear(dim, dim, bias=False)
+    self.mlp_norm = RMSNorm(dim)
+    self.up = torch.nn.Linear(dim, 4 * dim, bias=False)
+    self.down = torch.nn.Linear(4 * dim, dim, bias=False)
+
+  def forward(self, x: torch.Tensor, slot_mapping: torch.Tensor,
+              context_slots: torch.Tensor, mask: torch.Tensor,
+              cache: torch.Tensor) -> torch.Tensor:
+    dim = x.shape[-1]
+    q, k, v = self.qkv(self.attn_norm(x)).split(dim, dim=-1)
+    # The new key and value of every token go to its slot, in place.
+    cache.index_copy_(0, slot_mapping, torch.cat([k, v], dim=-1))
+    rows = cache[context_slots]  # [tokens, context, 2 * dim]
+    keys = rows[..., :dim].unflatten(-1, (self.heads, -1))
+    values = rows[..., dim:].unflatten(-1, (self.heads, -1))
+    q = q.unflatten(-1, (self.heads, -1))
+    scores = torch.einsum('thd,tchd->thc', q, keys) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~mask.unsqueeze(1), float('-inf'))
+    attended = torch.einsum('thc,tchd->thd', scores.softmax(-1), values)
+    x = x + self.out(attended.flatten(1))
+    return x + self.down(torch.nn.functional.silu(self.up(self.mlp_norm(x))))
+
+
+class PagedDecoder(torch.nn.Module):
+  """A decoder LM run one decode step at a time over a paged KV cache.
+
+  forward(tokens, positions, slot_mapping, context_slots, context_lens,
+  caches) -> logits [tokens, vocab]; caches (one [num_slots, 2 * dim]
+  tensor per layer) are updated in place.
+  """
+
+  def __init__(self,
+               vocab: int = VOCAB,
+               dim: int = D_MODEL,
+               heads: int = HEADS,
+               layers: int = LAYERS,
+               context: int = CONTEXT):
+    super().__init__()
+    self.embed = torch.nn.Embedding(vocab, dim)
+    self.position = torch.nn.Embedding(context, dim)
+    self.layers = torch.nn.ModuleList(
+        PagedLayer(dim, heads) for _ in range(layers))
+    self.norm = RMSNorm(dim)
+    self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+  def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+              slot_mapping: torch.Tensor, context_slots: torch.Tensor,
+              context_lens: torch.Tensor,
+              caches: List[torch.Tensor]) -> torch.Tensor:
+    x = self.embed(tokens) + self.position(positions)
+    columns = torch.arange(context_slots.shape[1], device=tokens.device)
+    mask = columns.unsqueeze(0) < context_lens.unsqueeze(1)
+    for layer, cache in zip(self.layers, caches):
+      x = layer(x, slot_mapping, context_slots, mask, cache)
+    return self.head(self.norm(x))
+
+
+def cache_slots(mib: float) -> int:
+  """Slots per layer of a cache of `mib` MiB in all (every layer)."""
+  return int(mib * MIB) // (LAYERS * ROW_BYTES)
+
+
+def make_steps(num_slots: int, count: int) -> List[Dict[str, Any]]:
+  """`count` decode steps' inputs (CPU), the buckets in rotation.
+
+  Each of max(REAL_TOKENS) sequences owns CONTEXT // BLOCK_SIZE blocks spread
+  at random over the cache; a step decodes one token of each of the first
+  REAL_TOKENS[i] sequences, and a sequence that fills its context starts
+  again (a new request in the same blocks). Padding tokens write PAD_SLOT and
+  attend to it alone. Each step also carries `real`, its real token count.
+  """
+  sequences = max(REAL_TOKENS)
+  blocks_per_sequence = CONTEXT // BLOCK_SIZE
+  num_blocks = num_slots // BLOCK_SIZE
+  needed = sequences * blocks_per_sequence
+  if num_blocks - 1 < needed:
+    raise SystemExit(f'a cache of {num_slots} slots per layer holds '
+                     f'{num_blocks} blocks; the sequences need {needed} + 1')
+  generator = torch.Generator().manual_seed(0)
+  blocks = torch.randperm(num_blocks - 1, generator=generator)[:needed] + 1
+  offsets = torch.arange(BLOCK_SIZE)
+  slot_table = (blocks.view(sequences, blocks_per_sequence, 1) * BLOCK_SIZE +
+                offsets).view(sequences, CONTEXT)
+  lengths = [0] * sequences
+  steps = []
+  for index in range(count):
+    bucket, real = BUCKETS[index % 3], REAL_TOKENS[index % 3]
+    tokens = torch.zeros(bucket, dtype=torch.long)
+    tokens[:real] = torch.randint(0, VOCAB, (real,), generator=generator)
+    positions = torch.zeros(bucket, dtype=torch.long)
+    slot_mapping = torch.full((bucket,), PAD_SLOT, dtype=torch.long)
+    context_slots = torch.full((bucket, CONTEXT), PAD_SLOT, dtype=torch.long)
+    context_lens = torch.ones(bucket, dtype=torch.long)
+    for sequence in range(real):
+      position = lengths[sequence] % CONTEXT
+      lengths[sequence] = position + 1
+      positions[sequence] = position
+      slot_mapping[sequence] = slot_table[sequence, position]
+      context_slots[sequence] = slot_table[sequence]
+      context_lens[sequence] = position + 1
+    steps.append(
+        dict(tokens=tokens,
+             positions=positions,
+             slot_mapping=slot_mapping,
+             context_slots=context_slots,
+             context_lens=context_lens,
+             real=real))
+  return steps
+
+
+def step_arguments(step: Dict[str, Any], device: Any) -> Dict[str, Any]:
+  """A step's tensors on `device`, keyed as the model's forward names
+  them."""
+  return {
+      name: value.to(device)
+      for name, value in step.items()
+      if isinstance(value, torch.Tensor)
+  }
+
+
+def peak_rss_mib() -> float:
+  """This process's peak resident set so far (Linux reports KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def counter(name: str) -> int:
+  import torch_xla.debug.metrics as met
+  return met.counter_value(name) or 0
+
+
+def compiles() -> int:
+  import torch_xla.debug.metrics as met
+  data = met.metric_data('CompileTime')
+  return data[0] if data else 0
+
+
+def time_call(fn, *args, **kwargs):
+  """fn(*args, **kwargs) as (result, wall s to the device's end, thread CPU s
+  of the call alone)."""
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+  start, start_cpu = time.perf_counter(), time.thread_time()
+  result = fn(*args, **kwargs)
+  host = time.thread_time() - start_cpu
+  torch_xla.sync()
+  xm.wait_device_ops()
+  return result, time.perf_counter() - start, host
+
+
+def paged_row(mode: str, mib: float, warmup: int, steps: int) -> Dict[str, Any]:
+  """One paged-decode row, run in this process (see the module
+  docstring)."""
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+  if mode in ('patched', 'serve'):
+    import torch_xla_patches
+  if mode == 'patched':
+    torch_xla_patches.apply()
+  device = torch_xla.device()
+  torch.manual_seed(0)
+  cpu_model = PagedDecoder().eval()
+  model = copy.deepcopy(cpu_model).to(device)
+  num_slots = cache_slots(mib)
+  cache_shape = (num_slots, 2 * D_MODEL)
+  plan = make_steps(num_slots, warmup + steps)
+  inputs = [step_arguments(step, device) for step in plan]
+  torch_xla.sync()
+  xm.wait_device_ops()
+  base_rss = peak_rss_mib()
+  caches = [torch.zeros(cache_shape, device=device) for _ in range(LAYERS)]
+  torch_xla.sync()
+  if mode == 'serve':
+    from torch_xla_patches import CallSpec, TensorSpec
+    buckets = []
+    for bucket in BUCKETS:
+      index = TensorSpec((bucket,), torch.long)
+      buckets.append(
+          CallSpec(index,
+                   positions=index,
+                   slot_mapping=index,
+                   context_slots=TensorSpec((bucket, CONTEXT), torch.long),
+                   context_lens=index,
+                   caches=[TensorSpec(cache_shape)] * LAYERS))
+    run = torch_xla_patches.serve(model, buckets)
+  else:
+    run = torch.compile(model, backend='openxla', dynamic=True)
+  outputs, walls, hosts = [], [], []
+  compiles_before = None
+  with torch.no_grad():
+    for index, arguments in enumerate(inputs):
+      if index == warmup:
+        compiles_before = compiles()
+      arguments = dict(arguments)
+      logits, wall, host = time_call(run,
+                                     arguments.pop('tokens'),
+                                     caches=caches,
+                                     **arguments)
+      outputs.append(logits)
+      if index >= warmup:
+        walls.append(wall)
+        hosts.append(host)
+  timed_compiles = compiles() - compiles_before
+  peak_rss = peak_rss_mib()
+  # The eager reference, after the peak was read.
+  with torch.no_grad():
+    ref_caches = [torch.zeros(cache_shape) for _ in range(LAYERS)]
+    diff = 0.0
+    for step, logits in zip(plan, outputs):
+      arguments = step_arguments(step, 'cpu')
+      expected = cpu_model(arguments.pop('tokens'),
+                           caches=ref_caches,
+                           **arguments)
+      real = step['real']
+      diff = max(diff,
+                 (logits.cpu()[:real] - expected[:real]).abs().max().item())
+    for cache, expected in zip(caches, ref_caches):
+      got = cache.cpu()
+      keep = torch.ones(num_slots, dtype=torch.bool)
+      keep[PAD_SLOT] = False
+      diff = max(diff, (got[keep] - expected[keep]).abs().max().item())
+      del got
+  model_bytes = sum(
+      p.numel() * p.element_size() for p in cpu_model.parameters())
+  return {
+      'step_ms': statistics.median(walls) * 1e3,
+      'host_us': statistics.median(hosts) * 1e6,
+      'base_rss_mib': base_rss,
+      'peak_rss_mib': peak_rss,
+      'cache_mib': LAYERS * num_slots * ROW_BYTES / MIB,
+      'model_mib': model_bytes / MIB,
+      'compiles': timed_compiles,
+      'donated': counter('DynamoDonatedInput'),
+      'max_diff': diff,
+  }
+
+
+def hf_row(mode: str, cache_len: int, new_tokens: int,
+           runs: int) -> Dict[str, Any]:
+  """One StaticCache generate row, run in this process (see the module
+  docstring)."""
+  import torch_xla
+  import transformers
+  if mode == 'patched':
+    import torch_xla_patches
+    torch_xla_patches.apply()
+  device = torch_xla.device()
+  config = transformers.LlamaConfig(max_position_embeddings=max(
+      cache_len, 2048),
+                                    **HF_CONFIG)
+  torch.manual_seed(0)
+  cpu_model = transformers.LlamaForCausalLM(config).eval()
+  ids = torch.randint(0,
+                      config.vocab_size, (1, HF_PROMPT),
+                      generator=torch.Generator().manual_seed(1))
+  generate_args = dict(max_new_tokens=new_tokens,
+                       cache_implementation='static',
+                       max_cache_len=cache_len,
+                       do_sample=False)
+  expected = cpu_model.generate(ids, **generate_args)
+  model = copy.deepcopy(cpu_model).to(device)
+  compiled = torch.compile(model.forward, backend='openxla')
+  walls, hosts = [], []
+
+  def forward(*args, **kwargs):
+    logits, wall, host = time_call(compiled, *args, **kwargs)
+    walls.append(wall)
+    hosts.append(host)
+    return logits
+
+  model.forward = forward
+  step_walls, step_hosts = [], []
+  timed_compiles = 0
+  matches = True
+  # Two generate calls warm up: the first compiles every step's program.
+  for index in range(2 + runs):
+    walls.clear()
+    hosts.clear()
+    before = compiles()
+    got = model.generate(ids.to(device), **generate_args).cpu()
+    matches = matches and torch.equal(got, expected)
+    if index >= 2:
+      timed_compiles += compiles() - before
+      step_walls += walls[1:]  # walls[0] is the prefill
+      step_hosts += hosts[1:]
+  return {
+      'step_ms': statistics.median(step_walls) * 1e3,
+      'host_us': statistics.median(step_hosts) * 1e6,
+      'peak_rss_mib': peak_rss_mib(),
+      'compiles': timed_compiles,
+      'steps': len(step_walls),
+      'tokens_match': matches,
+  }
+
+
+def run_row(kind: str, mode: str, size: float, args) -> Dict[str, Any]:
+  """A row in a fresh process of this tool; its JSON line, or
+  {'error': ...}."""
+  command = [
+      sys.executable,
+      os.path.abspath(__file__), '--row', kind, mode,
+      str(size), '--steps',
+      str(args.steps), '--warmup',
+      str(args.warmup), '--hf-tokens',
+      str(args.hf_tokens), '--hf-runs',
+      str(args.hf_runs)
+  ]
+  env = dict(os.environ, PJRT_DEVICE='CPU')
+  env['PYTHONPATH'] = os.pathsep.join(
+      filter(None, [REPO_ROOT, env.get('PYTHONPATH')]))
+  env.setdefault('XLA_PATCHES_PRECOMPILE_PROGRESS', '0')
+  start = time.perf_counter()
+  proc = subprocess.run(command,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=3600)
+  lines = proc.stdout.strip().splitlines()
+  if proc.returncode != 0 or not lines:
+    tail = (proc.stderr.strip().splitlines() or ['no output'])[-1]
+    result = {'error': f'exit {proc.returncode}: {tail}'}
+  else:
+    result = json.loads(lines[-1])
+  result['process_s'] = time.perf_counter() - start
+  print(f'  {kind} {mode} {size:g}: {json.dumps(result)}',
+        file=sys.stderr,
+        flush=True)
+  return result
+
+
+def row_main(kind: str, mode: str, size: float, args) -> int:
+  """The hidden `--row` entry: one row, printed as one JSON line; an error
+  is a row too."""
+  try:
+    if kind == 'paged':
+      result = paged_row(mode, size, args.warmup, args.steps)
+    else:
+      result = hf_row(mode, int(size), args.hf_tokens, args.hf_runs)
+  except Exception as e:  # pylint: disable=broad-except
+    first = (str(e).strip().splitlines() or [''])[0]
+    result = {'error': f'{type(e).__name__}: {first}'[:300]}
+  print(json.dumps(result), flush=True)
+  return 0
+
+
+def _fmt(value: Optional[float], digits: int = 2) -> str:
+  return '-' if value is None else f'{value:.{digits}f}'
+
+
+def paged_table(results: Dict[tuple, Dict[str, Any]],
+                sizes: Sequence[float]) -> List[str]:
+  """Part 1's markdown table."""
+  lines = [
+      '| row | cache MiB | step ms | host us | large/small step | '
+      'base RSS MiB | peak RSS MiB | (peak-base)/(cache+model) | '
+      'compiles | donated | vs eager |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|',
+  ]
+  for mode in MODES:
+    small = results[(mode, sizes[0])]
+    for size in sizes:
+      r = results[(mode, size)]
+      if 'error' in r:
+        lines.append(f'| {mode} | {size:g} | failed: {r["error"]} '
+                     '| | | | | | | | |')
+        continue
+      ratio = None
+      if size != sizes[0] and 'error' not in small:
+        ratio = r['step_ms'] / small['step_ms']
+      grown = (r['peak_rss_mib'] - r['base_rss_mib']) / (r['cache_mib'] +
+                                                         r['model_mib'])
+      check = 'ok' if r['max_diff'] <= 1e-4 else 'MISMATCH'
+      lines.append(f'| {mode} | {r["cache_mib"]:g} | {_fmt(r["step_ms"])} | '
+                   f'{_fmt(r["host_us"], 1)} | '
+                   f'{"-" if ratio is None else _fmt(ratio) + "x"} | '
+                   f'{r["base_rss_mib"]:.0f} | {r["peak_rss_mib"]:.0f} | '
+                   f'{_fmt(grown)} | {r["compiles"]} | {r["donated"]} | '
+                   f'{check} ({r["max_diff"]:.1e}) |')
+  return lines
+
+
+def hf_table(results: Dict[tuple, Dict[str, Any]],
+             lengths: Sequence[int]) -> List[str]:
+  """Part 2's markdown table."""
+  lines = [
+      '| row | static cache length | step ms | host us | long/short step | '
+      'peak RSS MiB | compiles | decode steps timed | vs eager tokens |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|---|',
+  ]
+  for mode in ('upstream', 'patched'):
+    short = results[(mode, lengths[0])]
+    for length in lengths:
+      r = results[(mode, length)]
+      if 'error' in r:
+        lines.append(f'| {mode} | {length} | failed: {r["error"]} '
+                     '| | | | | | |')
+        continue
+      ratio = '-'
+      if length != lengths[0] and 'error' not in short:
+        ratio = _fmt(r['step_ms'] / short['step_ms']) + 'x'
+      check = 'ok' if r['tokens_match'] else 'MISMATCH'
+      lines.append(f'| {mode} | {length} | {_fmt(r["step_ms"])} | '
+                   f'{_fmt(r["host_us"], 1)} | {ratio} | '
+                   f'{r["peak_rss_mib"]:.0f} | {r["compiles"]} | '
+                   f'{r["steps"]} | {check} |')
+  return lines
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--demo',
+                      action='store_true',
+                      help='a quick run: fewer steps, a 256 MiB large cache')
+  parser.add_argument('--steps',
+                      type=int,
+                      default=None,
+                      help='timed decode steps per row (default 60, demo 24)')
+  parser.add_argument('--warmup',
+                      type=int,
+                      default=6,
+                      help='untimed steps first (they compile each bucket)')
+  parser.add_argument('--small-mib', type=float, default=1.0)
+  parser.add_argument('--large-mib', type=float, default=256.0)
+  parser.add_argument('--huge',
+                      action='store_true',
+                      help='also a 1 GiB cache per row (peak RSS check)')
+  parser.add_argument('--hf-lengths',
+                      type=int,
+                      nargs=2,
+                      default=(64, 4096),
+                      help='the two static cache lengths of part 2')
+  parser.add_argument('--hf-tokens',
+                      type=int,
+                      default=None,
+                      help='new tokens per generate (default 32, demo 16)')
+  parser.add_argument('--hf-runs',
+                      type=int,
+                      default=None,
+                      help='timed generate calls after 2 warm-up ones '
+                      '(default 3, demo 1)')
+  parser.add_argument('--skip-hf', action='store_true')
+  parser.add_argument('--skip-paged', action='store_true')
+  parser.add_argument('--row', nargs=3, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.steps is None:
+    args.steps = 24 if args.demo else 60
+  if args.hf_tokens is None:
+    args.hf_tokens = 16 if args.demo else 32
+  if args.hf_runs is None:
+    args.hf_runs = 1 if args.demo else 3
+  if args.row:
+    kind, mode, size = args.row
+    return row_main(kind, mode, float(size), args)
+
+  started = time.perf_counter()
+  output = []
+  if not args.skip_paged:
+    sizes = [args.small_mib, args.large_mib] + ([1024.0] if args.huge else [])
+    results = {
+        (mode, size): run_row('paged', mode, size, args) for mode in MODES
+        for size in sizes
+    }
+    output += [
+        f'\nPaged decode: {LAYERS} layers, d_model {D_MODEL}, buckets '
+        f'{"/".join(map(str, BUCKETS))} tokens ({"/".join(map(str, REAL_TOKENS))} '
+        f'real), context {CONTEXT}; median of {args.steps} steps after '
+        f'{args.warmup}; one fresh process per row\n'
+    ] + paged_table(results, sizes)
+  if not args.skip_hf:
+    lengths = list(args.hf_lengths)
+    results = {
+        (mode, length): run_row('hf', mode, length, args)
+        for mode in ('upstream', 'patched') for length in lengths
+    }
+    output += [
+        f'\nHugging Face StaticCache generate: LlamaForCausalLM '
+        f'{HF_CONFIG["num_hidden_layers"]} layers, hidden '
+        f'{HF_CONFIG["hidden_size"]}, vocab {HF_CONFIG["vocab_size"]}, prompt '
+        f'{HF_PROMPT}, {args.hf_tokens} new tokens; median decode step of '
+        f'{args.hf_runs} generate call(s) after 2; one fresh process per row\n'
+    ] + hf_table(results, lengths)
+  print('\n'.join(output))
+  print(f'\n{time.perf_counter() - started:.0f} s in all')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
