@@ -1,8 +1,9 @@
 """Helpers shared by the bridge tests."""
+import json
 import os
 import subprocess
 import sys
-from typing import Dict
+from typing import Any, Dict, List
 
 import torch
 import torch._dynamo
@@ -81,6 +82,18 @@ def run_python(code: str, env: Dict[str, str] = None, timeout: int = 600):
                         capture_output=True,
                         text=True,
                         timeout=timeout)
+
+
+def run_reports(code: str, processes: int = 2) -> List[Any]:
+  """Runs `code` in `processes` fresh interpreters, one after another (a
+  first start, then restarts); each must succeed and print a JSON report as
+  its last line. Returns the reports."""
+  reports = []
+  for _ in range(processes):
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  return reports
 
 
 def run_counters(code: str, env: Dict[str, str] = None) -> Dict[str, int]:

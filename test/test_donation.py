@@ -2,10 +2,7 @@
 updates]): results equal eager, every case that must copy copies and is
 counted, donating and copying programs are different programs, and restarts
 and evictions still donate."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ import torch_xla.debug.metrics as met
 from hypothesis import given, strategies as st
 
 import torch_xla_patches
-from bridge_testing import REPO_ROOT, run_counters
+from bridge_testing import run_counters, run_reports
 from torch_xla_patches import CallSpec, TensorSpec, config, dynamo_bridge
 
 DONATION_COUNTERS = (dynamo_bridge.COUNTER_DONATED,
@@ -236,16 +233,7 @@ def test_a_served_step_donates_its_nested_caches_after_a_restart(tmp_path):
   script = SERVED_STEP.format(test_dir=os.path.dirname(
       os.path.abspath(__file__)),
                               cache_dir=str(tmp_path))
-  env = dict(os.environ, PJRT_DEVICE='CPU', PYTHONPATH=REPO_ROOT)
-  reports = []
-  for _ in range(2):
-    done = subprocess.run([sys.executable, '-c', script],
-                          env=env,
-                          capture_output=True,
-                          text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
+  reports = run_reports(script)
   first, restart = reports
   assert (first['loaded'], restart['loaded']) == (False, True)
   assert restart['frames'] == 0
@@ -286,3 +274,34 @@ def test_an_evicted_donating_program_is_traced_again_and_still_donates():
   assert values['retraces'] >= 6
   # Every trace, first or after an eviction, donates the cache.
   assert values['donated'] == 6 + values['retraces']
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_served_in_place_step_runs_its_bound_program(patched_bridge):
+  torch.manual_seed(0)
+  cpu = LayerCaches()
+  model = LayerCaches()
+  model.load_state_dict(cpu.state_dict())
+  served = torch_xla_patches.serve(model.to(torch_xla.device()), [
+      CallSpec(TensorSpec((4, 8)), TensorSpec(
+          (4,), torch.long), [TensorSpec((32, 8))] * 2)
+  ])
+  caches = [xla(torch.zeros(32, 8)) for _ in range(2)]
+  expected = [torch.zeros(32, 8) for _ in range(2)]
+  view = caches[0][:8]
+  hits = None
+  for step in range(5):
+    x, slots = torch.randn(4, 8), torch.randperm(32)[:4]
+    with torch.no_grad():
+      want = cpu(x, slots, expected)
+    got = served(xla(x), xla(slots), caches)
+    torch.testing.assert_close(got.cpu(), want)
+    for cache, reference in zip(caches, expected):
+      torch.testing.assert_close(cache.cpu(), reference)
+    torch.testing.assert_close(view.cpu(), expected[0][:8])
+    if step == 1:
+      hits = met.counter_value(dynamo_bridge.COUNTER_HIT) or 0
+  # The last three calls ran the bound program: no call of the bridge.
+  assert served.fast_path.fast_calls >= 3
+  assert (met.counter_value(dynamo_bridge.COUNTER_HIT) or 0) == hits
+  assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 2}

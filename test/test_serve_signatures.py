@@ -1,10 +1,7 @@
 """serve() for the models people serve: keyword and nested arguments,
 decorated forwards, Hugging Face families, the ServeKey, and the guards an
 artifact keeps."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ import torch_xla
 import torch_xla_patches
 import hf_models
 import served_modules
-from bridge_testing import REPO_ROOT
+from bridge_testing import run_reports
 from torch_xla_patches import CallSpec, TensorSpec, call_spec, config
 from torch_xla_patches import serving
 
@@ -293,16 +290,7 @@ print(json.dumps(report), flush=True)
 def test_restarts_load_each_models_own_artifact(tmp_path):
   cache_dir = str(tmp_path / 'cache')
   script = RESTART_SCRIPT.format(test_dir=TEST_DIR, cache_dir=cache_dir)
-  env = dict(os.environ, PJRT_DEVICE='CPU', PYTHONPATH=REPO_ROOT)
-  reports = []
-  for _ in range(2):
-    done = subprocess.run([sys.executable, '-c', script],
-                          env=env,
-                          capture_output=True,
-                          text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reports.append(json.loads(done.stdout.strip().splitlines()[-1]))
+  reports = run_reports(script)
   first, restart = reports
   models = ['llama', 'bert', 'nested', 'width 48', 'width 64']
   assert [first[m]['loaded'] for m in models] == [False] * 5

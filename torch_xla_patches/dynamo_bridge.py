@@ -189,11 +189,15 @@ class OutputPlan:
     # The bridge's calling convention: a single output is returned bare.
     return outputs[0] if len(outputs) == 1 else outputs
 
-  def outputs(self, results: List[torch.Tensor],
-              args: Sequence[Any]) -> Sequence[Any]:
-    """Every graph output, in order; applies the in-place updates."""
-    for arg_position, result_index in self.inplace_updates:
-      args[arg_position].copy_(results[result_index])
+  def outputs(self,
+              results: List[torch.Tensor],
+              args: Sequence[Any],
+              apply_updates: bool = True) -> Sequence[Any]:
+    """Every graph output, in order; applies the in-place updates unless the
+    caller did."""
+    if apply_updates:
+      for arg_position, result_index in self.inplace_updates:
+        args[arg_position].copy_(results[result_index])
     if self._identity:
       return results
     pool = list(results)
@@ -1096,14 +1100,14 @@ class SignatureCache:
     whose position is not in `free_index` (position -> index among the free
     arguments of a call) bound to the tensor `args` holds there now (see
     [Note: Bound programs]); None if that signature is not compiled, or if
-    its program cannot be bound (it draws a random seed, updates an argument
-    in place, or returns an argument)."""
+    its program cannot be bound (it draws a random seed, or returns an
+    argument)."""
     key = self.key_of(args)
     entry = self.entries.get(key)
     if entry is None:
       return None
     matcher = entry.graph_input_matcher
-    if matcher.draws_seed or entry.output_plan.reads_args:
+    if matcher.draws_seed or entry.output_plan.returned_args:
       return None
     inputs = []
     free_slots = []
@@ -1118,7 +1122,13 @@ class SignatureCache:
         inputs.append(None)
       else:
         inputs.append(args[arg_idx])
-    return BoundProgram(self, key, entry, inputs, tuple(free_slots))
+    # (free argument index or None, bound tensor or None, result index) of
+    # each argument the program updates in place.
+    updates = tuple(
+        (free_index.get(position),
+         None if position in free_index else args[position], result_index)
+        for position, result_index in entry.output_plan.inplace_updates)
+    return BoundProgram(self, key, entry, inputs, tuple(free_slots), updates)
 
 
 class BoundProgram:
@@ -1134,8 +1144,11 @@ class BoundProgram:
   handed (serving's fast path, through its module watch) and that the free
   arguments have the signature's shapes. What the bridge's own hit path
   does around a run is done here too: free tensors with pending IR are
-  synced first, the signature's served count is kept for the index, and the
-  backlog compiles one recorded signature after the call. A run that XLA
+  synced first (and, for a program that donates, the device's pending IR:
+  see [Note: Donating in-place updates]), arguments updated in place take
+  their results with `copy_` (which views and aliases of them follow), the
+  signature's served count is kept for the index, and the backlog compiles
+  one recorded signature after the call. A run that XLA
   refuses (a bound tensor with pending IR, an evicted program) raises
   RuntimeError before anything runs; the caller then goes through the
   bridge's callable, which recovers.
@@ -1146,15 +1159,24 @@ class BoundProgram:
     entry: the signature's compiled entry.
     inputs: the XLA inputs, None in the free slots.
     free_slots: (XLA input slot, free argument index) of each free input.
+    updates: (free argument index or None, bound tensor or None, result
+      index) of each argument updated in place.
   """
 
-  def __init__(self, cache: SignatureCache, key: Hashable,
-               entry: CompiledGraphEntry, inputs: List[Any],
-               free_slots: Tuple[Tuple[int, int], ...]):
+  def __init__(self,
+               cache: SignatureCache,
+               key: Hashable,
+               entry: CompiledGraphEntry,
+               inputs: List[Any],
+               free_slots: Tuple[Tuple[int, int], ...],
+               updates: Tuple[Tuple[Optional[int], Optional[torch.Tensor], int],
+                              ...] = ()):
     self.key = key
     self.graph_hash = entry.graph_hash
     self._inputs = inputs
     self._free_slots = free_slots
+    self._updates = updates
+    self._donates = bool(entry.donated_positions)
     self._output_plan = entry.output_plan
     self._outputs_are_results = entry.output_plan.outputs_are_results
     self._backlog = cache.backlog
@@ -1170,11 +1192,17 @@ class BoundProgram:
       if not upstream_config.skip_input_data_check:
         # free_args may hold a served call's other leaves (ints, None).
         _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
+      if self._donates:
+        torch_xla._XLAC._xla_sync_live_tensors(str(torch_xla.device()), [],
+                                               False)
       results = torch_xla._XLAC._run_cached_graph(self.graph_hash, inputs)
+      for free, bound, result_index in self._updates:
+        (bound if free is None else free_args[free]).copy_(
+            results[result_index])
     else:
       results = []
     outputs = (results if self._outputs_are_results else plan.outputs(
-        results, ()))
+        results, (), apply_updates=False))
     usage = self._usage
     if usage is not None:
       usage.served[self.key] += 1
