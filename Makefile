@@ -37,6 +37,7 @@ $(STAMP): setup.py
 
 demo: $(STAMP)
 	$(PY) tools/bench_warmup.py --demo
+	$(PY) tools/bench_decode.py --demo
 
 # PYTEST_ARGS: e.g. test/test_patching.py, or -k name.
 PYTEST_ARGS ?= test

@@ -51,3 +51,15 @@ class LayeredStep(torch.nn.Module):
       x = torch.tanh(layer(x) + cache.mean(dim=0))
       outputs.append(x * scale)
     return x, outputs
+
+
+class TwoLinear(torch.nn.Module):
+  """Two Linear layers, for a mesh: weights sharded over 'model'."""
+
+  def __init__(self):
+    super().__init__()
+    self.up = torch.nn.Linear(16, 32)
+    self.down = torch.nn.Linear(32, 16)
+
+  def forward(self, x):
+    return self.down(torch.relu(self.up(x)))

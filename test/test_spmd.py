@@ -1,10 +1,14 @@
 """SPMD on 4 virtual CPU devices: dynamic shapes work and input sharding is
 part of the shape signature."""
+import json
+import os
 import sys
 
 import pytest
 
 from bridge_testing import run_counters, run_python
+
+TEST_DIR = os.path.dirname(os.path.abspath(__file__))
 
 SPMD_SCRIPT = r'''
 import numpy as np
@@ -111,6 +115,82 @@ def test_records_of_another_sharding_are_skipped_and_counted(tmp_path):
   # on demand.
   assert serve_sharded(tmp_path, [4, 12], (None, None)) == [(4, 1, 0, 2),
                                                             (12, 2, 0, 2)]
+
+
+SERVE_ON_MESH_SCRIPT = r'''
+import json, sys
+sys.path.insert(0, TEST_DIR)
+import numpy as np
+import torch, torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+from torch._dynamo.utils import counters
+xr.use_spmd()
+import torch_xla_patches
+from torch_xla_patches import TensorSpec, fast_dispatch
+from served_modules import TwoLinear
+device = torch_xla.device()
+mesh = xs.Mesh(np.arange(4), (2, 2), ('data', 'model'))
+torch.manual_seed(0)
+cpu = TwoLinear()
+model = TwoLinear()
+model.load_state_dict(cpu.state_dict())
+model = model.to(device)
+xs.mark_sharding(model.up.weight, mesh, ('model', None))
+xs.mark_sharding(model.down.weight, mesh, (None, 'model'))
+by_data = (mesh, ('data', None))
+served = torch_xla_patches.serve(model, [
+    (TensorSpec((4, 16)),), (TensorSpec((8, 16), sharding=by_data),),
+    (TensorSpec((12, 16)),), (TensorSpec((12, 16), sharding=by_data),)],
+    cache_dir=CACHE_DIR)
+frames = counters['stats']['unique_graphs']
+worst = 0.0
+# Buckets, a sharded and a replicated call of one shape, a shape outside
+# the buckets, each twice (the second from the fast path).
+for batch, sharded in [(4, False), (8, True), (12, False), (12, True),
+                       (4, True), (8, False), (6, True), (6, False)] * 2:
+  x = torch.randn(batch, 16)
+  x_xla = x.to(device)
+  if sharded:
+    xs.mark_sharding(x_xla, mesh, ('data', None))
+  with torch.no_grad():
+    expected = cpu(x)
+  worst = max(worst, (served(x_xla).cpu() - expected).abs().max().item())
+print(json.dumps(dict(loaded=served.loaded, error=worst, frames=frames,
+                      fast=served.fast_path.fast_calls,
+                      counters={name: met.counter_value(name)
+                                for name in met.counter_names()
+                                if name.startswith('Serve')})))
+'''
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_serve_on_a_mesh_tells_sharded_from_replicated_calls(tmp_path):
+  """Sharded and replicated buckets, calls of both and outside the buckets:
+  eager results, no XLA error and no hang, in a first process and a restart.
+  A fast path key without the sharding ran the replicated program on a
+  sharded argument: XLA failed at the result's read and the next call hung
+  (the subprocess's timeout fails the test)."""
+  code = SERVE_ON_MESH_SCRIPT.replace('TEST_DIR', repr(TEST_DIR)).replace(
+      'CACHE_DIR', repr(str(tmp_path)))
+  reports = []
+  for _ in range(2):
+    proc = run_python(code, env={'CPU_NUM_DEVICES': '4'}, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  first, restart = reports
+  assert (first['loaded'], restart['loaded']) == (False, True)
+  assert (first['frames'], restart['frames']) == (1, 0)
+  for report in reports:
+    assert report['error'] < 1e-5, report
+    # The 4 buckets are served fast from their first call on, the other 4
+    # (shape, sharding) pairs from their second.
+    assert report['fast'] == 4 + 8, report
+    assert report['counters'] == {
+        'ServeFallbackNoPlan': 1,
+        'ServeFallbackNewArguments': 3 + 4
+    }, report
 
 
 if __name__ == '__main__':

@@ -22,13 +22,17 @@ first calls compile), each of --steps steps is timed:
   host us        median CPU time of the calling thread around the call alone
                  (time.thread_time)
   large/small    the row's large-cache step ms over its small-cache step ms
-  base RSS       ru_maxrss after imports, weights and inputs, before the
-                 caches are made
-  peak RSS       ru_maxrss after the timed steps (before the eager check)
-  (peak-base)/cache
-                 what the loop added to the peak, in cache + weight bytes:
-                 about 1 where the cache is updated in its own buffer, about
-                 2 where each step writes a new copy of it
+  base RSS       peak RSS (ru_maxrss) after imports, weights and inputs,
+                 before the caches are made
+  RSS after setup  peak RSS once serve() or torch.compile returned, before
+                 the first step (serve() compiles its buckets there)
+  peak RSS       peak RSS after the timed steps (read before the eager check)
+  peak - base    what the caches, the compiles and the steps added, to set
+                 against the cache MiB (+ 0.45 MiB of weights)
+  peak growth / cache growth
+                 (large peak - small peak) / (large cache - small cache) of
+                 the row: about 1 where the cache is updated in its own
+                 buffer, about 2 where each step writes a new copy of it
   compiles       XLA compiles during the timed steps (should be 0)
   donated        the bridge's donated-input counter (DynamoDonatedInput),
                  where the patch has one
@@ -42,8 +46,11 @@ transformers docs show, and `model.generate(ids,
 cache_implementation='static', max_cache_len=L, do_sample=False)` at two
 static cache lengths, upstream and patched, each in a fresh process. The
 forward is timed the same way per call (prefill left out); tokens are
-compared with the same generate run eagerly on the CPU. A row that fails
-prints its error instead of a number.
+compared with the same generate run eagerly on the CPU. Two untimed
+generate calls come first: the first compiles two XLA programs per decode
+step (about 0.1 s each here; its inputs arrive with pending IR, synced
+first), the second none. A row that fails prints its error instead of a
+number.
 
 All rows of one run are measured side by side; compare them as ratios (the
 machine may be shared).
@@ -77,13 +84,16 @@ CONTEXT = 32  # positions per sequence: CONTEXT // BLOCK_SIZE blocks each
 PAD_SLOT = 0  # padding tokens write here; no sequence's block holds it
 ROW_BYTES = 2 * D_MODEL * 4  # one cache slot: key and value, float32
 MIB = 1 << 20
+# Largest difference from the eager CPU reference taken as equal.
+TOLERANCE = 1e-4
 
 HF_CONFIG = dict(vocab_size=96,
                  hidden_size=32,
                  intermediate_size=64,
                  num_hidden_layers=2,
                  num_attention_heads=4,
-                 num_key_value_heads=2)
+                 num_key_value_heads=2,
+                 eos_token_id=None)
 HF_PROMPT = 8
 
 
@@ -239,11 +249,13 @@ def peak_rss_mib() -> float:
 
 
 def counter(name: str) -> int:
+  """An XLA counter's value (0 where it never counted)."""
   import torch_xla.debug.metrics as met
   return met.counter_value(name) or 0
 
 
 def compiles() -> int:
+  """XLA compiles in this process so far."""
   import torch_xla.debug.metrics as met
   data = met.metric_data('CompileTime')
   return data[0] if data else 0
@@ -299,8 +311,9 @@ def paged_row(mode: str, mib: float, warmup: int, steps: int) -> Dict[str, Any]:
     run = torch_xla_patches.serve(model, buckets)
   else:
     run = torch.compile(model, backend='openxla', dynamic=True)
+  setup_rss = peak_rss_mib()
   outputs, walls, hosts = [], [], []
-  compiles_before = None
+  compiles_before = compiles()
   with torch.no_grad():
     for index, arguments in enumerate(inputs):
       if index == warmup:
@@ -340,6 +353,7 @@ def paged_row(mode: str, mib: float, warmup: int, steps: int) -> Dict[str, Any]:
       'step_ms': statistics.median(walls) * 1e3,
       'host_us': statistics.median(hosts) * 1e6,
       'base_rss_mib': base_rss,
+      'setup_rss_mib': setup_rss,
       'peak_rss_mib': peak_rss,
       'cache_mib': LAYERS * num_slots * ROW_BYTES / MIB,
       'model_mib': model_bytes / MIB,
@@ -359,9 +373,9 @@ def hf_row(mode: str, cache_len: int, new_tokens: int,
     import torch_xla_patches
     torch_xla_patches.apply()
   device = torch_xla.device()
-  config = transformers.LlamaConfig(max_position_embeddings=max(
-      cache_len, 2048),
-                                    **HF_CONFIG)
+  positions = max(cache_len, 2048)
+  config = transformers.LlamaConfig(**HF_CONFIG,
+                                    max_position_embeddings=positions)
   torch.manual_seed(0)
   cpu_model = transformers.LlamaForCausalLM(config).eval()
   ids = torch.randint(0,
@@ -403,6 +417,7 @@ def hf_row(mode: str, cache_len: int, new_tokens: int,
       'peak_rss_mib': peak_rss_mib(),
       'compiles': timed_compiles,
       'steps': len(step_walls),
+      'donated': counter('DynamoDonatedInput'),
       'tokens_match': matches,
   }
 
@@ -432,7 +447,7 @@ def run_row(kind: str, mode: str, size: float, args) -> Dict[str, Any]:
   lines = proc.stdout.strip().splitlines()
   if proc.returncode != 0 or not lines:
     tail = (proc.stderr.strip().splitlines() or ['no output'])[-1]
-    result = {'error': f'exit {proc.returncode}: {tail}'}
+    result = {'error': f'exit {proc.returncode}: {tail}'.replace('|', '/')}
   else:
     result = json.loads(lines[-1])
   result['process_s'] = time.perf_counter() - start
@@ -452,12 +467,13 @@ def row_main(kind: str, mode: str, size: float, args) -> int:
       result = hf_row(mode, int(size), args.hf_tokens, args.hf_runs)
   except Exception as e:  # pylint: disable=broad-except
     first = (str(e).strip().splitlines() or [''])[0]
-    result = {'error': f'{type(e).__name__}: {first}'[:300]}
+    result = {'error': f'{type(e).__name__}: {first}'[:300].replace('|', '/')}
   print(json.dumps(result), flush=True)
   return 0
 
 
 def _fmt(value: Optional[float], digits: int = 2) -> str:
+  """A number for the tables; '-' for None."""
   return '-' if value is None else f'{value:.{digits}f}'
 
 
@@ -466,30 +482,31 @@ def paged_table(results: Dict[tuple, Dict[str, Any]],
   """Part 1's markdown table."""
   lines = [
       '| row | cache MiB | step ms | host us | large/small step | '
-      'base RSS MiB | peak RSS MiB | (peak-base)/(cache+model) | '
-      'compiles | donated | vs eager |',
-      '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|',
+      'base RSS MiB | RSS after setup MiB | peak RSS MiB | peak - base MiB | '
+      'peak growth / cache growth | compiles | donated | vs eager |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|',
   ]
   for mode in MODES:
     small = results[(mode, sizes[0])]
     for size in sizes:
       r = results[(mode, size)]
       if 'error' in r:
-        lines.append(f'| {mode} | {size:g} | failed: {r["error"]} '
-                     '| | | | | | | | |')
+        lines.append(f'| {mode} | {size:g} | failed: {r["error"]} ' +
+                     '| ' * 10 + '|')
         continue
-      ratio = None
+      ratio, growth = '-', '-'
       if size != sizes[0] and 'error' not in small:
-        ratio = r['step_ms'] / small['step_ms']
-      grown = (r['peak_rss_mib'] - r['base_rss_mib']) / (r['cache_mib'] +
-                                                         r['model_mib'])
-      check = 'ok' if r['max_diff'] <= 1e-4 else 'MISMATCH'
-      lines.append(f'| {mode} | {r["cache_mib"]:g} | {_fmt(r["step_ms"])} | '
-                   f'{_fmt(r["host_us"], 1)} | '
-                   f'{"-" if ratio is None else _fmt(ratio) + "x"} | '
-                   f'{r["base_rss_mib"]:.0f} | {r["peak_rss_mib"]:.0f} | '
-                   f'{_fmt(grown)} | {r["compiles"]} | {r["donated"]} | '
-                   f'{check} ({r["max_diff"]:.1e}) |')
+        ratio = _fmt(r['step_ms'] / small['step_ms']) + 'x'
+        growth = _fmt((r['peak_rss_mib'] - small['peak_rss_mib']) /
+                      (r['cache_mib'] - small['cache_mib']))
+      check = 'ok' if r['max_diff'] <= TOLERANCE else 'MISMATCH'
+      lines.append(
+          f'| {mode} | {r["cache_mib"]:g} | {_fmt(r["step_ms"])} | '
+          f'{_fmt(r["host_us"], 1)} | {ratio} | {r["base_rss_mib"]:.0f} | '
+          f'{r["setup_rss_mib"]:.0f} | {r["peak_rss_mib"]:.0f} | '
+          f'{r["peak_rss_mib"] - r["base_rss_mib"]:.0f} | {growth} | '
+          f'{r["compiles"]} | {r["donated"]} | '
+          f'{check} ({r["max_diff"]:.1e}) |')
   return lines
 
 
@@ -498,16 +515,17 @@ def hf_table(results: Dict[tuple, Dict[str, Any]],
   """Part 2's markdown table."""
   lines = [
       '| row | static cache length | step ms | host us | long/short step | '
-      'peak RSS MiB | compiles | decode steps timed | vs eager tokens |',
-      '|---|---:|---:|---:|---:|---:|---:|---:|---|',
+      'peak RSS MiB | compiles | donated | decode steps timed | '
+      'vs eager tokens |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|---:|---|',
   ]
   for mode in ('upstream', 'patched'):
     short = results[(mode, lengths[0])]
     for length in lengths:
       r = results[(mode, length)]
       if 'error' in r:
-        lines.append(f'| {mode} | {length} | failed: {r["error"]} '
-                     '| | | | | | |')
+        lines.append(f'| {mode} | {length} | failed: {r["error"]} ' + '| ' * 7 +
+                     '|')
         continue
       ratio = '-'
       if length != lengths[0] and 'error' not in short:
@@ -516,7 +534,7 @@ def hf_table(results: Dict[tuple, Dict[str, Any]],
       lines.append(f'| {mode} | {length} | {_fmt(r["step_ms"])} | '
                    f'{_fmt(r["host_us"], 1)} | {ratio} | '
                    f'{r["peak_rss_mib"]:.0f} | {r["compiles"]} | '
-                   f'{r["steps"]} | {check} |')
+                   f'{r["donated"]} | {r["steps"]} | {check} |')
   return lines
 
 
@@ -526,7 +544,8 @@ def main() -> int:
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--demo',
                       action='store_true',
-                      help='a quick run: fewer steps, a 256 MiB large cache')
+                      help='a quick run: 24 steps per row, one timed '
+                      'generate of 16 tokens')
   parser.add_argument('--steps',
                       type=int,
                       default=None,
@@ -576,10 +595,13 @@ def main() -> int:
         (mode, size): run_row('paged', mode, size, args) for mode in MODES
         for size in sizes
     }
+    buckets = '/'.join(map(str, BUCKETS))
+    real = '/'.join(map(str, REAL_TOKENS))
     output += [
         f'\nPaged decode: {LAYERS} layers, d_model {D_MODEL}, buckets '
-        f'{"/".join(map(str, BUCKETS))} tokens ({"/".join(map(str, REAL_TOKENS))} '
-        f'real), context {CONTEXT}; median of {args.steps} steps after '
+        f'{buckets} tokens ({real} real), context {CONTEXT}, weights '
+        f'{sum(p.numel() for p in PagedDecoder().parameters()) * 4 / MIB:.2f} '
+        f'MiB; median of {args.steps} steps after '
         f'{args.warmup}; one fresh process per row\n'
     ] + paged_table(results, sizes)
   if not args.skip_hf:

@@ -18,7 +18,7 @@ from torch_xla_patches import config
 from torch_xla_patches import torch_internals
 from torch_xla_patches import versions
 from torch_xla_patches.call_spec import CallSpec
-from torch_xla_patches.io_utils import TensorSpec
+from torch_xla_patches.io_utils import Sharding, TensorSpec
 
 # See [Note: Supported releases] in versions.py.
 SUPPORTED_TORCH_XLA_VERSIONS = versions.SUPPORTED_TORCH_XLA_VERSIONS

@@ -9,7 +9,9 @@ or dict nesting them (per-layer caches, a dict of inputs). Walking a call's
     arguments are taken in name order, so the order a caller writes them in
     is not part of the key;
   * per tensor leaf, its type, shape, dtype, device and requires_grad (what
-    dynamo's tensor guards compare);
+    dynamo's tensor guards compare) and, under SPMD, its sharding spec (which
+    dynamo does not guard, and which picks another XLA program: a sharded
+    argument run by a replicated program fails in XLA);
   * per other leaf, its type and value. An int leaf may be symbolic in the
     captured graph (dynamic=True) and then feeds the bridge's signature by
     value; a bool, float, string or None is a constant dynamo guards on.
@@ -25,7 +27,8 @@ vary), and every other constant by value.
 """
 import dataclasses
 import inspect
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Hashable, List, Optional, Sequence,
+                    Tuple)
 
 import torch
 
@@ -198,26 +201,35 @@ def describe_layout(layout: Any) -> str:
 
 # -- calls
 
+ShardingOf = Callable[[torch.Tensor], str]
 
-def call_key(args: tuple,
-             kwargs: Dict[str, Any]) -> Tuple[Optional[Hashable], List[Any]]:
+
+def call_key(
+    args: tuple,
+    kwargs: Dict[str, Any],
+    sharding_of: Optional[ShardingOf] = None
+) -> Tuple[Optional[Hashable], List[Any]]:
   """(key, leaves) of a call (see [Note: Served call structure]); the key is
   None for a call that cannot be keyed. Leaves are in walk order, keyword
-  arguments by name."""
+  arguments by name. `sharding_of` (under SPMD) gives a tensor's sharding
+  spec."""
   if not kwargs and len(args) == 1:
     # The common case, without a walk.
     (arg,) = args
     if type(arg) is torch.Tensor:
-      return (arg.shape, arg.dtype, arg.device, arg.requires_grad), [arg]
+      if sharding_of is None:
+        return (arg.shape, arg.dtype, arg.device, arg.requires_grad), [arg]
+      return (arg.shape, arg.dtype, arg.device, arg.requires_grad,
+              sharding_of(arg)), [arg]
   leaves: List[Any] = []
   parts: List[Any] = []
   try:
-    _walk(args, leaves, parts)
+    _walk(args, leaves, parts, sharding_of)
     if kwargs:
       names = tuple(sorted(kwargs))
       parts.append(names)
       for name in names:
-        _walk(kwargs[name], leaves, parts)
+        _walk(kwargs[name], leaves, parts, sharding_of)
   except _Unkeyable:
     return None, leaves
   tensors = [id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -230,20 +242,26 @@ class _Unkeyable(Exception):
   pass
 
 
-def _walk(value: Any, leaves: List[Any], parts: List[Any]) -> None:
+def _walk(value: Any, leaves: List[Any], parts: List[Any],
+          sharding_of: Optional[ShardingOf]) -> None:
   kind = type(value)
   if isinstance(value, torch.Tensor):
     leaves.append(value)
-    parts.append(
-        (kind, value.shape, value.dtype, value.device, value.requires_grad))
+    if sharding_of is None:
+      parts.append(
+          (kind, value.shape, value.dtype, value.device, value.requires_grad))
+    else:
+      parts.append(
+          (kind, value.shape, value.dtype, value.device, value.requires_grad,
+           sharding_of(value)))
   elif kind is tuple or kind is list:
     parts.append((kind, len(value)))
     for item in value:
-      _walk(item, leaves, parts)
+      _walk(item, leaves, parts, sharding_of)
   elif kind is dict:
     parts.append((dict, tuple(value)))
     for item in value.values():
-      _walk(item, leaves, parts)
+      _walk(item, leaves, parts, sharding_of)
   elif kind in _CONSTANT_TYPES:
     leaves.append(value)
     parts.append((kind, value))

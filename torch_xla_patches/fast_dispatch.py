@@ -360,6 +360,10 @@ class FastPath:
     self._model = model
     self._backend = compiled.backend_callable
     self._function_mode_depth = torch_internals.torch_function_mode_depth()
+    # Under SPMD a call's key includes each tensor's sharding (see [Note:
+    # Served call structure]).
+    self._sharding_of = (torch_xla._XLAC._get_xla_sharding_spec
+                         if torch_xla.runtime.is_spmd() else None)
     self._global_hooks = torch_internals.global_module_forward_hooks()
     # Why there is no fast path, once known for good (the captured code).
     self.disabled_reason: Optional[str] = None
@@ -407,7 +411,7 @@ class FastPath:
     if module_watch.generation != self._generation:
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       return NOT_RUN
-    key, leaves = call_spec.call_key(args, kwargs)
+    key, leaves = self.key_of(args, kwargs)
     run = self._runs.get(key)
     if run is None:
       _increment_counter(COUNTER_FALLBACK_ARGUMENTS, 1)
@@ -435,16 +439,20 @@ class FastPath:
 
   # -- learning from full calls
 
-  def learn(self, args: tuple, kwargs: Dict[str, Any], result: Any,
+  def key_of(self, args: tuple,
+             kwargs: Dict[str, Any]) -> Tuple[Optional[Hashable], List[Any]]:
+    """(key, leaves) of a call (see call_spec.call_key), read before the
+    call runs: running it may change what the key reads (an unsharded SPMD
+    input comes back marked replicated)."""
+    return call_spec.call_key(args, kwargs, self._sharding_of)
+
+  def learn(self, key: Optional[Hashable], leaves: Sequence[Any], result: Any,
             calls: Sequence[Tuple[tuple, tuple]]) -> None:
-    """Updates the fast path from a full call, accepted by dynamo's guards,
-    that called the graph as `calls` show."""
+    """Updates the fast path from a full call of `key` (see key_of),
+    accepted by dynamo's guards, that called the graph as `calls` show."""
     if self.disabled_reason is not None or len(calls) != 1:
       return
-    if not module_watch.installed:
-      return
-    key, leaves = call_spec.call_key(args, kwargs)
-    if key is None:
+    if not module_watch.installed or key is None:
       return
     with torch.set_grad_enabled(not torch.is_grad_enabled()):
       other_grad_mode = torch_internals.global_state_guard()

@@ -34,14 +34,69 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
 
 
 @dataclasses.dataclass(frozen=True)
+class Sharding:
+  """How an SPMD tensor is split over a mesh, as `mark_sharding(tensor,
+  mesh, partition_spec)` takes it, in values that compare and hash.
+
+  Args:
+    mesh_shape, device_ids, axis_names: the mesh's.
+    partition_spec: per dimension, a mesh axis name or index, a tuple of
+      them, or None (replicated along that dimension).
+  """
+  mesh_shape: Tuple[int, ...]
+  device_ids: Tuple[int, ...]
+  axis_names: Optional[Tuple[str, ...]]
+  partition_spec: Tuple[Any, ...]
+
+  @classmethod
+  def of(cls, mesh: Any, partition_spec: Sequence[Any]) -> 'Sharding':
+    names = getattr(mesh, 'axis_names', None)
+    return cls(
+        mesh_shape=tuple(int(n) for n in mesh.mesh_shape),
+        device_ids=tuple(int(i) for i in mesh.device_ids),
+        axis_names=tuple(names) if names is not None else None,
+        partition_spec=tuple(
+            tuple(p) if isinstance(p, list) else p for p in partition_spec))
+
+  def apply(self, tensor: torch.Tensor) -> None:
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    mesh = xs.Mesh(np.array(self.device_ids), self.mesh_shape, self.axis_names)
+    xs.mark_sharding(tensor, mesh, self.partition_spec)
+
+  def to_json(self) -> Dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(self)))
+
+  def describe(self) -> str:
+    return '{' + ','.join(str(p) for p in self.partition_spec) + '}'
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorSpec:
   """A tensor described by its sizes and dtype; `materialize` makes zeros.
 
   Records and artifacts hold it as JSON, `to_json()`:
-  {"shape": [...], "dtype": "float32"}.
+  {"shape": [...], "dtype": "float32"}; a sharding (SPMD) is not recorded:
+  recorded signatures are replayed with the live call's shardings.
+
+  Args:
+    shape, dtype: the tensor's.
+    sharding: under SPMD, a Sharding, or (mesh, partition_spec) as
+      `mark_sharding` takes them: the zeros are sharded so.
   """
   shape: Tuple[int, ...]
   dtype: torch.dtype = torch.float32
+  sharding: Optional[Sharding] = None
+
+  def __post_init__(self):
+    if self.sharding is not None and not isinstance(self.sharding, Sharding):
+      try:
+        mesh, partition_spec = self.sharding
+      except (TypeError, ValueError):
+        raise TypeError(
+            'TensorSpec: sharding is a Sharding or a (mesh, '
+            f'partition_spec) pair, not {self.sharding!r}') from None
+      object.__setattr__(self, 'sharding', Sharding.of(mesh, partition_spec))
 
   @classmethod
   def of(cls, tensor: torch.Tensor) -> 'TensorSpec':
@@ -55,10 +110,14 @@ class TensorSpec:
     return {'shape': list(self.shape), 'dtype': dtype_name(self.dtype)}
 
   def materialize(self, device: Any) -> torch.Tensor:
-    return zeros_on_device(self.shape, self.dtype, device)
+    tensor = zeros_on_device(self.shape, self.dtype, device)
+    if self.sharding is not None:
+      self.sharding.apply(tensor)
+    return tensor
 
   def describe(self) -> str:
-    return f'{dtype_name(self.dtype)}{list(self.shape)}'
+    sharding = self.sharding.describe() if self.sharding is not None else ''
+    return f'{dtype_name(self.dtype)}{list(self.shape)}{sharding}'
 
 
 # An argument as records and artifacts hold it: a TensorSpec's JSON form, or

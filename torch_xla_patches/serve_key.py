@@ -16,6 +16,9 @@ buckets only where all of these match, each one a named part of the key:
     float, str, None and tuples of them, in the module's __dict__), and the
     plain values of any configuration object it holds (Hugging Face's
     PretrainedConfig, through to_dict()), once per object;
+  * shardings: under SPMD, each bucket's tensor shardings and each
+    parameter's and buffer's sharding spec (dynamo guards neither, and each
+    picks other XLA programs);
   * capture: the aot_compile settings (dynamic, size_oblivious, guard
     filter);
   * formats: the artifact's, the compiled graph's and the records' format
@@ -54,18 +57,20 @@ class ServeKey:
   arguments: Any
   state: List[List[Any]]
   configuration: Dict[str, Any]
+  shardings: Dict[str, Any]
   capture: Dict[str, Any]
   formats: Dict[str, int]
 
   @classmethod
-  def of(cls, model: torch.nn.Module, arguments: Any, capture: Dict[str, Any],
-         formats: Dict[str, int]) -> 'ServeKey':
+  def of(cls, model: torch.nn.Module, arguments: Any, shardings: Dict[str, Any],
+         capture: Dict[str, Any], formats: Dict[str, int]) -> 'ServeKey':
     return cls(model=source_digest.model_name(model),
                source=source_digest.source_parts(model),
                versions=dataclasses.asdict(runtime.runtime_versions()),
                arguments=arguments,
                state=state_of(model),
                configuration=configuration_of(model),
+               shardings=dict(shardings),
                capture=dict(capture),
                formats=dict(formats))
 

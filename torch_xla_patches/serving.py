@@ -105,11 +105,30 @@ def serve_key(model: torch.nn.Module, buckets: Sequence[CallSpec]) -> ServeKey:
   return ServeKey.of(
       model,
       arguments=buckets[0].layout(),
+      shardings=_shardings(model, buckets),
       capture=CAPTURE_SETTINGS,
       formats={
           'artifact': artifact.FORMAT_VERSION,
           'compiled_graph': serializable_backend.STATE_FORMAT_VERSION,
       })
+
+
+def _shardings(model: torch.nn.Module,
+               buckets: Sequence[CallSpec]) -> Dict[str, Any]:
+  """The shardings part of the ServeKey: {} unless under SPMD."""
+  import torch_xla
+  if not torch_xla.runtime.is_spmd():
+    return {}
+  spec_of = torch_xla._XLAC._get_xla_sharding_spec
+  tensors = list(model.named_parameters()) + list(model.named_buffers())
+  return {
+      'buckets': [[
+          spec.sharding.to_json() if spec.sharding is not None else None
+          for spec in bucket.tensor_specs
+      ]
+                  for bucket in buckets],
+      'state': [[name, spec_of(tensor)] for name, tensor in tensors],
+  }
 
 
 def artifact_path(cache_dir: str, key: ServeKey) -> str:
@@ -189,9 +208,10 @@ class ServedModel:
     bound_args, bound_kwargs = self._bind(args, kwargs)
     if not compiled.guard_check(*bound_args, **bound_kwargs):
       return self._retrace(args, kwargs)
+    key, leaves = self.fast_path.key_of(args, kwargs)
     with compiled.backend_callable.observed_calls() as calls:
       result = compiled.call_checked(*bound_args, **bound_kwargs)
-    self.fast_path.learn(args, kwargs, result, calls)
+    self.fast_path.learn(key, leaves, result, calls)
     return result
 
   def _retrace(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
@@ -244,6 +264,7 @@ def _refused_bucket(compiled: serialization.CompiledModel,
     if not compiled.guard_check(*args, **kwargs):
       return (f'its guards refuse bucket {index} {bucket.describe()}: '
               f'{compiled.guard_failure(*args, **kwargs)}')
+    del args, kwargs
   return None
 
 
@@ -306,6 +327,9 @@ def serve(model: torch.nn.Module,
         'every process', key.model,
         type(e).__name__, e)
     return _serve_with_torch_compile(model, buckets)
+  # The example's tensors (a whole KV cache, say) are not kept alive while
+  # the buckets compile.
+  del args, kwargs
   served = ServedModel(compiled, model, path, loaded=False)
   _compile_buckets(served, buckets)
   if path is not None:
