@@ -35,8 +35,7 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
                                              get_fallback_ops)
 
 from torch_xla._dynamo import config as upstream_config
-from torch_xla_patches import (config, fingerprint, record, signature_index,
-                               torch_internals)
+from torch_xla_patches import config, fingerprint, record, signature_index
 from torch_xla_patches.backlog import Backlog, StartFunction
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
@@ -461,12 +460,28 @@ def record_mutated_inputs(helper: Callable[..., Any]) -> Callable[..., Any]:
   bridge's trace sees no in-place update."""
 
   def xla_backend_helper(model, fake_tensor_inputs, boxed=False):
-    mutated = torch_internals.aot_autograd_mutated_inputs()
+    mutated = _aot_autograd_mutated_inputs()
     if mutated and _outputs_match_inputs(model, mutated):
       model.meta[MUTATED_INPUTS_META] = mutated
     return helper(model, fake_tensor_inputs, boxed=boxed)
 
   return xla_backend_helper
+
+
+def _aot_autograd_mutated_inputs() -> Tuple[int, ...]:
+  """While AOTAutograd compiles a graph (its fw_compiler runs): the positions
+  of the graph's inputs whose data its epilogue updates from the graph's
+  first outputs, in output order (output k into input
+  mutated_inp_runtime_indices[k]). () outside such a compile, or where a
+  metadata-only mutation (a resize, a transpose_) is among them."""
+  context = torch._guards.TracingContext.try_get()
+  metadata = getattr(context, 'fw_metadata', None)
+  if metadata is None:
+    return ()
+  indices = tuple(metadata.mutated_inp_runtime_indices)
+  if not all(metadata.input_info[i].mutates_data for i in indices):
+    return ()
+  return indices
 
 
 def _outputs_match_inputs(graph_module: torch.fx.GraphModule,

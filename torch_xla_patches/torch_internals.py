@@ -131,24 +131,6 @@ def aot_guard_failure(aot_fn: Any, *args, **kwargs) -> str:
   return str(artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)
 
 
-def aot_autograd_mutated_inputs() -> Tuple[int, ...]:
-  """While AOTAutograd compiles a graph (its fw_compiler runs): the positions
-  of the graph's inputs whose data the graph's caller mutates afterwards
-  from the graph's first outputs, in output order (AOTAutograd's epilogue
-  copies output k into input mutated_inp_runtime_indices[k]). () outside
-  such a compile."""
-  context = _attribute('torch._guards', 'TracingContext').try_get()
-  metadata = getattr(context, 'fw_metadata', None)
-  if metadata is None:
-    return ()
-  indices = tuple(metadata.mutated_inp_runtime_indices)
-  if not all(metadata.input_info[i].mutates_data for i in indices):
-    # A metadata-only mutation (a resize, a transpose_) among them: the
-    # outputs do not line up with data updates; donate nothing.
-    return ()
-  return indices
-
-
 def xla_backend_module() -> Any:
   """torch._dynamo.backends.torchxla, whose xla_backend_helper the openxla
   backends call with each compiled graph."""
