@@ -81,10 +81,35 @@ class CallSpec:
         f'a bucket is a CallSpec, a tuple of argument specs or a TensorSpec, '
         f'not {type(bucket).__name__}')
 
-  def materialize(self, device: Any) -> Tuple[tuple, Dict[str, Any]]:
+  def materialize(
+      self,
+      device: Any,
+      pool: Optional[Dict[Tuple[TensorSpec, int], torch.Tensor]] = None
+  ) -> Tuple[tuple, Dict[str, Any]]:
     """(args, kwargs) with zeros for every TensorSpec (made on the host and
-    copied, see io_utils.zeros_on_device)."""
-    return (_materialize(self.args, device), _materialize(self.kwargs, device))
+    copied, see io_utils.zeros_on_device).
+
+    Args:
+      pool: tensors made for earlier buckets, by (spec, how many tensors of
+        that spec came before it in its call), reused instead of made again
+        and filled in with what is made here. A warm-up of many buckets then
+        holds one tensor per place, not one per bucket (a KV cache of every
+        bucket, say); a tensor is never reused twice in one call. Their
+        values are whatever the earlier calls left (warm-up calls compile,
+        their results are not read).
+    """
+    seen: Dict[TensorSpec, int] = {}
+
+    def make(spec: TensorSpec) -> torch.Tensor:
+      if pool is None:
+        return spec.materialize(device)
+      place = (spec, seen.get(spec, 0))
+      seen[spec] = place[1] + 1
+      if place not in pool:
+        pool[place] = spec.materialize(device)
+      return pool[place]
+
+    return (_materialize(self.args, make), _materialize(self.kwargs, make))
 
   @property
   def tensor_specs(self) -> List[TensorSpec]:
@@ -133,13 +158,13 @@ def _check_spec_tree(value: Any, where: str) -> None:
       'tuples and dicts of them')
 
 
-def _materialize(value: Any, device: Any) -> Any:
+def _materialize(value: Any, make: Callable[[TensorSpec], torch.Tensor]) -> Any:
   if isinstance(value, TensorSpec):
-    return value.materialize(device)
+    return make(value)
   if isinstance(value, (tuple, list)):
-    return type(value)(_materialize(item, device) for item in value)
+    return type(value)(_materialize(item, make) for item in value)
   if isinstance(value, dict):
-    return {name: _materialize(item, device) for name, item in value.items()}
+    return {name: _materialize(item, make) for name, item in value.items()}
   return value
 
 

@@ -67,10 +67,12 @@ class _Progress:
         item.description, item.seconds, item.compile_seconds, eta)
 
 
-def _materialize(spec: Any, device) -> Tuple[tuple, Dict[str, Any]]:
-  """(args, kwargs) of one entry of precompile's specs."""
+def _materialize(spec: Any, device,
+                 pool: Dict[Any, torch.Tensor]) -> Tuple[tuple, Dict[str, Any]]:
+  """(args, kwargs) of one entry of precompile's specs; CallSpec tensors are
+  shared between entries through `pool` (see CallSpec.materialize)."""
   if isinstance(spec, CallSpec):
-    return spec.materialize(device)
+    return spec.materialize(device, pool)
   items = spec if isinstance(spec, (tuple, list)) else (spec,)
   args = []
   for item in items:
@@ -106,8 +108,9 @@ def precompile(compiled_fn: Callable,
     return _precompile_in_parallel(compiled_fn, specs, bar,
                                    config.compile_workers)
   report = []
+  pool: Dict[Any, torch.Tensor] = {}
   for spec in specs:
-    args, kwargs = _materialize(spec, device)
+    args, kwargs = _materialize(spec, device, pool)
     item = _timed_call(compiled_fn, args, kwargs)
     # One signature's tensors alive at a time.
     del args, kwargs
@@ -142,8 +145,9 @@ def _precompile_in_parallel(compiled_fn: Callable, specs: Sequence[Any],
   report: List[Optional[PrecompiledSignature]] = [None] * len(specs)
   # (spec index, claim number, args, kwargs, seconds of the first pass)
   stopped = []
+  pool: Dict[Any, torch.Tensor] = {}
   for index, spec in enumerate(specs):
-    args, kwargs = _materialize(spec, device)
+    args, kwargs = _materialize(spec, device, pool)
     compiles_before, compile_seconds_before = compile_stats()
     start = time.perf_counter()
     claim = calls.call(functools.partial(compiled_fn, **kwargs), args)
