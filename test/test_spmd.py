@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from bridge_testing import run_counters, run_python
+from torch_xla_patches import versions
 
 TEST_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -157,15 +158,28 @@ for batch, sharded in [(4, False), (8, True), (12, False), (12, True),
   with torch.no_grad():
     expected = cpu(x)
   worst = max(worst, (served(x_xla).cpu() - expected).abs().max().item())
+# A call that raises (7 features into Linear(16, ...)) leaves the next one
+# working.
+try:
+  served(torch.ones(8, 7).to(device))
+  raised = None
+except Exception as e:
+  raised = isinstance(e, RuntimeError)
+x = torch.randn(8, 16)
+x_xla = x.to(device)
+xs.mark_sharding(x_xla, mesh, ('data', None))
+with torch.no_grad():
+  expected = cpu(x)
+after_error = (served(x_xla).cpu() - expected).abs().max().item()
+fast = served.fast_path.fast_calls if served.fast_path is not None else None
 print(json.dumps(dict(loaded=served.loaded, error=worst, frames=frames,
-                      fast=served.fast_path.fast_calls,
+                      fast=fast, raised=raised, after_error=after_error,
                       counters={name: met.counter_value(name)
                                 for name in met.counter_names()
                                 if name.startswith('Serve')})))
 '''
 
 
-@pytest.mark.requires('torch_aot_compile')
 def test_serve_on_a_mesh_tells_sharded_from_replicated_calls(tmp_path):
   """Sharded and replicated buckets, calls of both and outside the buckets:
   eager results, no XLA error and no hang, in a first process and a restart.
@@ -180,16 +194,25 @@ def test_serve_on_a_mesh_tells_sharded_from_replicated_calls(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
   first, restart = reports
+  for report in reports:
+    assert report['error'] < 1e-5, report
+    assert report['raised'] is True, report
+    assert report['after_error'] < 1e-5, report
+  if not versions.has_torch_aot_compile():
+    # torch 2.8: torch.compile and the bridge's signatures, no fast path.
+    assert [r['fast'] for r in reports] == [None, None]
+    return
   assert (first['loaded'], restart['loaded']) == (False, True)
   assert (first['frames'], restart['frames']) == (1, 0)
   for report in reports:
-    assert report['error'] < 1e-5, report
     # The 4 buckets are served fast from their first call on, the other 4
-    # (shape, sharding) pairs from their second.
-    assert report['fast'] == 4 + 8, report
+    # (shape, sharding) pairs from their second, and the call after the
+    # error.
+    assert report['fast'] == 4 + 8 + 1, report
     assert report['counters'] == {
         'ServeFallbackNoPlan': 1,
-        'ServeFallbackNewArguments': 3 + 4
+        'ServeFallbackNewArguments': 3 + 4 + 1,
+        'ServeRetrace': 1
     }, report
 
 
