@@ -204,7 +204,7 @@ class ServedModel:
     if self.fast_path is None:
       with torch.no_grad():
         return compiled(*args, **kwargs)
-    # The capture's arguments were bound so too (see _capture).
+    # The capture's arguments were bound so too (see serve()).
     bound_args, bound_kwargs = self._bind(args, kwargs)
     if not compiled.guard_check(*bound_args, **bound_kwargs):
       return self._retrace(args, kwargs)
@@ -231,8 +231,14 @@ class ServedModel:
       return self._retraced(*args, **kwargs)
 
 
-def _compile_buckets(served: ServedModel, buckets: Sequence[CallSpec]) -> None:
-  warmup.precompile(served, buckets, progress=config.precompile_progress)
+def _compile_buckets(
+    served: ServedModel,
+    buckets: Sequence[CallSpec],
+    tensor_pool: Optional[Dict[Any, torch.Tensor]] = None) -> None:
+  warmup.precompile(served,
+                    buckets,
+                    progress=config.precompile_progress,
+                    tensor_pool=tensor_pool)
 
 
 def _save(compiled: Any, path: str, key: ServeKey) -> None:
@@ -313,8 +319,10 @@ def serve(model: torch.nn.Module,
     logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model, reason)
   # Bound to the forward's parameter names, as full calls are (see
   # call_spec.KeywordBinding).
-  args, kwargs = call_spec.KeywordBinding(
-      model.forward)(*_example(buckets).materialize(torch_xla.device()))
+  # The buckets then reuse the example's tensors (a whole KV cache, say).
+  tensor_pool: Dict[Any, torch.Tensor] = {}
+  args, kwargs = call_spec.KeywordBinding(model.forward)(
+      *_example(buckets).materialize(torch_xla.device(), tensor_pool))
   try:
     compiled = serialization.aot_compile(model, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except
@@ -327,11 +335,10 @@ def serve(model: torch.nn.Module,
         'every process', key.model,
         type(e).__name__, e)
     return _serve_with_torch_compile(model, buckets)
-  # The example's tensors (a whole KV cache, say) are not kept alive while
-  # the buckets compile.
   del args, kwargs
   served = ServedModel(compiled, model, path, loaded=False)
-  _compile_buckets(served, buckets)
+  _compile_buckets(served, buckets, tensor_pool)
+  del tensor_pool
   if path is not None:
     _save(compiled, path, key)
   return served

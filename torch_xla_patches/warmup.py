@@ -85,9 +85,12 @@ def _materialize(spec: Any, device,
   return tuple(args), {}
 
 
-def precompile(compiled_fn: Callable,
-               specs: Sequence[Any],
-               progress: bool = True) -> List[PrecompiledSignature]:
+def precompile(
+    compiled_fn: Callable,
+    specs: Sequence[Any],
+    progress: bool = True,
+    tensor_pool: Optional[Dict[Any, torch.Tensor]] = None
+) -> List[PrecompiledSignature]:
   """Compiles one XLA program per signature in `specs`.
 
   Args:
@@ -99,16 +102,18 @@ def precompile(compiled_fn: Callable,
       (a single non-tuple item is a one-argument call).
     progress: log a line per signature (signature, seconds, ETA) on the
       `torch_xla_patches.precompile` logger.
+    tensor_pool: tensors CallSpec entries may reuse (see
+      CallSpec.materialize), e.g. those a capture was made with.
   Returns:
     One PrecompiledSignature per spec, in order.
   """
   device = torch_xla.device()
   bar = _Progress(len(specs), progress)
+  pool = tensor_pool if tensor_pool is not None else {}
   if config.compile_workers > 1 and len(specs) > 1:
-    return _precompile_in_parallel(compiled_fn, specs, bar,
+    return _precompile_in_parallel(compiled_fn, specs, bar, pool,
                                    config.compile_workers)
   report = []
-  pool: Dict[Any, torch.Tensor] = {}
   for spec in specs:
     args, kwargs = _materialize(spec, device, pool)
     item = _timed_call(compiled_fn, args, kwargs)
@@ -135,7 +140,7 @@ def _timed_call(compiled_fn: Callable, args: Tuple[Any, ...],
 
 
 def _precompile_in_parallel(compiled_fn: Callable, specs: Sequence[Any],
-                            bar: _Progress,
+                            bar: _Progress, pool: Dict[Any, torch.Tensor],
                             workers: int) -> List[PrecompiledSignature]:
   """precompile() in two passes (see [Note: Parallel precompile]). A call
   whose signature compiled on a worker reports the wall seconds of its two
@@ -145,7 +150,6 @@ def _precompile_in_parallel(compiled_fn: Callable, specs: Sequence[Any],
   report: List[Optional[PrecompiledSignature]] = [None] * len(specs)
   # (spec index, claim number, args, kwargs, seconds of the first pass)
   stopped = []
-  pool: Dict[Any, torch.Tensor] = {}
   for index, spec in enumerate(specs):
     args, kwargs = _materialize(spec, device, pool)
     compiles_before, compile_seconds_before = compile_stats()
