@@ -7,6 +7,7 @@ one way a record is frozen to a string (for identities and de-duplication).
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import stat
 import tempfile
@@ -26,11 +27,30 @@ def dtype_from_name(name: Any) -> torch.dtype:
   return dtype
 
 
+# Tensors of at least this many bytes are made on the device (see
+# zeros_on_device).
+DEVICE_ZEROS_BYTES = 64 << 20
+
+
 def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
                     device: Any) -> torch.Tensor:
-  """Zeros made on the host and copied: zeros made on the device would be a
-  small XLA program of their own, compiled once per shape."""
-  return torch.zeros(tuple(shape), dtype=dtype).to(device)
+  """Zeros on `device`, as device data (no pending IR).
+
+  Small tensors are made on the host and copied: made on the device, each
+  would be a small XLA program of its own, compiled once per shape. Large
+  ones (a KV cache) are made on the device by such a program: a host copy
+  would need the tensor's memory twice at the peak."""
+  shape = tuple(shape)
+  nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+  if nbytes < DEVICE_ZEROS_BYTES or torch.device(device).type != 'xla':
+    return torch.zeros(shape, dtype=dtype).to(device)
+  import torch_xla
+  tensor = torch.zeros(shape, dtype=dtype, device=device)
+  torch_xla._XLAC._xla_sync_multi([tensor],
+                                  devices=[],
+                                  wait=True,
+                                  sync_xla_data=True)
+  return tensor
 
 
 @dataclasses.dataclass(frozen=True)
