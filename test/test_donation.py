@@ -305,3 +305,49 @@ def test_a_served_in_place_step_runs_its_bound_program(patched_bridge):
   assert served.fast_path.fast_calls >= 3
   assert (met.counter_value(dynamo_bridge.COUNTER_HIT) or 0) == hits
   assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 2}
+
+
+def test_training_donates_the_forwards_updated_buffers_only(patched_bridge):
+  # AOTAutograd compiles the backward under the forward's context, whose
+  # mutated-input metadata is the forward's: the backward donates nothing.
+
+  class Tracked(RunningTotal):
+
+    def forward(self, x):
+      y = self.proj(x)
+      self.total.add_(y.detach().sum(dim=0))
+      return y
+
+  torch.manual_seed(0)
+  cpu = Tracked()
+  model = Tracked()
+  model.load_state_dict(cpu.state_dict())
+  model = model.to(torch_xla.device())
+  compiled = torch.compile(model, backend='openxla', dynamic=True)
+  for batch in (3, 3):
+    x = torch.randn(batch, 8)
+    cpu(x).square().sum().backward()
+    compiled(xla(x)).square().sum().backward()
+    for (name, ours), theirs in zip(model.named_parameters(), cpu.parameters()):
+      torch.testing.assert_close(ours.grad.cpu(), theirs.grad, msg=name)
+    torch.testing.assert_close(model.total.cpu(), cpu.total)
+  # The buffer, once, in the forward.
+  assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 1}
+
+
+def test_only_forward_and_inference_graphs_carry_mutated_inputs():
+  """A backward is compiled under its forward's tracing context, with the
+  forward's mutated-input metadata: it must not be read as the backward's."""
+
+  class Metadata:
+    mutated_inp_runtime_indices = [1]
+    input_info = [None, type('Info', (), {'mutates_data': True})()]
+
+  assert dynamo_bridge.aot_autograd_mutated_inputs() == ()
+  for name, expected in [('0_forward', (1,)), ('0_inference', (1,)),
+                         ('0_backward', ())]:
+    context = torch._guards.TracingContext(None)
+    context.fw_metadata = Metadata()
+    context.aot_graph_name = [name]
+    with torch._guards.tracing(context):
+      assert dynamo_bridge.aot_autograd_mutated_inputs() == expected, name

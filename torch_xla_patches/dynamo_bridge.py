@@ -460,7 +460,7 @@ def record_mutated_inputs(helper: Callable[..., Any]) -> Callable[..., Any]:
   bridge's trace sees no in-place update."""
 
   def xla_backend_helper(model, fake_tensor_inputs, boxed=False):
-    mutated = _aot_autograd_mutated_inputs()
+    mutated = aot_autograd_mutated_inputs()
     if mutated and _outputs_match_inputs(model, mutated):
       model.meta[MUTATED_INPUTS_META] = mutated
     return helper(model, fake_tensor_inputs, boxed=boxed)
@@ -468,8 +468,8 @@ def record_mutated_inputs(helper: Callable[..., Any]) -> Callable[..., Any]:
   return xla_backend_helper
 
 
-def _aot_autograd_mutated_inputs() -> Tuple[int, ...]:
-  """While AOTAutograd compiles a graph (its fw_compiler runs): the positions
+def aot_autograd_mutated_inputs() -> Tuple[int, ...]:
+  """While AOTAutograd compiles a forward or inference graph: the positions
   of the graph's inputs whose data its epilogue updates from the graph's
   first outputs, in output order (output k into input
   mutated_inp_runtime_indices[k]). () outside such a compile, or where a
@@ -477,6 +477,11 @@ def _aot_autograd_mutated_inputs() -> Tuple[int, ...]:
   context = torch._guards.TracingContext.try_get()
   metadata = getattr(context, 'fw_metadata', None)
   if metadata is None:
+    return ()
+  # A training graph's backward is compiled under its forward's context,
+  # metadata included: only a forward or inference graph has those outputs.
+  names = getattr(context, 'aot_graph_name', None) or []
+  if not any(name.endswith(('_forward', '_inference')) for name in names):
     return ()
   indices = tuple(metadata.mutated_inp_runtime_indices)
   if not all(metadata.input_info[i].mutates_data for i in indices):
