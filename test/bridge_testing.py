@@ -3,7 +3,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch._dynamo
@@ -68,6 +68,15 @@ def serve_fresh(fn, sizes, w=None, backend='openxla'):
                                rtol=1e-4,
                                atol=1e-4)
   return compiled
+
+
+def cpu_and_xla(make: Callable[[], torch.nn.Module]):
+  """(CPU model, XLA model), both made by `make`, with equal weights."""
+  torch.manual_seed(0)
+  cpu = make()
+  model = make()
+  model.load_state_dict(cpu.state_dict())
+  return cpu, model.to(torch_xla.device())
 
 
 def run_python(code: str, env: Dict[str, str] = None, timeout: int = 600):

@@ -11,7 +11,7 @@ import torch_xla.debug.metrics as met
 from hypothesis import given, strategies as st
 
 import torch_xla_patches
-from bridge_testing import run_counters, run_reports
+from bridge_testing import cpu_and_xla, run_counters, run_reports
 from torch_xla_patches import CallSpec, TensorSpec, config, dynamo_bridge
 
 DONATION_COUNTERS = (dynamo_bridge.COUNTER_DONATED,
@@ -125,11 +125,7 @@ class RunningTotal(torch.nn.Module):
 
 
 def test_a_buffer_updated_in_place_is_donated(patched_bridge):
-  torch.manual_seed(0)
-  cpu = RunningTotal()
-  model = RunningTotal()
-  model.load_state_dict(cpu.state_dict())
-  model = model.to(torch_xla.device())
+  cpu, model = cpu_and_xla(RunningTotal)
   compiled = torch.compile(model, backend='openxla', dynamic=True)
   with torch.no_grad():
     for batch in (2, 3, 2):
@@ -278,11 +274,8 @@ def test_an_evicted_donating_program_is_traced_again_and_still_donates():
 
 @pytest.mark.requires('torch_aot_compile')
 def test_a_served_in_place_step_runs_its_bound_program(patched_bridge):
-  torch.manual_seed(0)
-  cpu = LayerCaches()
-  model = LayerCaches()
-  model.load_state_dict(cpu.state_dict())
-  served = torch_xla_patches.serve(model.to(torch_xla.device()), [
+  cpu, model = cpu_and_xla(LayerCaches)
+  served = torch_xla_patches.serve(model, [
       CallSpec(TensorSpec((4, 8)), TensorSpec(
           (4,), torch.long), [TensorSpec((32, 8))] * 2)
   ])
@@ -318,11 +311,7 @@ def test_training_donates_the_forwards_updated_buffers_only(patched_bridge):
       self.total.add_(y.detach().sum(dim=0))
       return y
 
-  torch.manual_seed(0)
-  cpu = Tracked()
-  model = Tracked()
-  model.load_state_dict(cpu.state_dict())
-  model = model.to(torch_xla.device())
+  cpu, model = cpu_and_xla(Tracked)
   compiled = torch.compile(model, backend='openxla', dynamic=True)
   for batch in (3, 3):
     x = torch.randn(batch, 8)

@@ -412,6 +412,15 @@ def test_verify_mode_finds_a_change_the_fast_path_cannot_see(
   }
 
 
+def test_verify_mode_accepts_an_unchanged_call(patched_bridge, monkeypatch):
+  # dynamo's guards are checked on the call as it was captured: bound to the
+  # forward's parameter names.
+  cpu, model, served, paths = served_after_a_fast_call()
+  monkeypatch.setattr(config, 'serve_verify', True)
+  check(served, cpu, torch.randn(4, WIDTH), rtol=1e-4, atol=1e-4)
+  assert paths.since_last() == {'fast': 1}
+
+
 def test_revert_ends_the_fast_path(patched_bridge):
   cpu, _, served, paths = served_after_a_fast_call()
   torch_xla_patches.revert()

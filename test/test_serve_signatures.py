@@ -10,7 +10,7 @@ import torch_xla
 import torch_xla_patches
 import hf_models
 import served_modules
-from bridge_testing import run_reports
+from bridge_testing import cpu_and_xla, run_reports
 from torch_xla_patches import CallSpec, TensorSpec, call_spec, config
 from torch_xla_patches import serving
 
@@ -109,11 +109,7 @@ def test_serve_key_tells_configurations_apart():
 
 
 def _decorated_models(width=16):
-  torch.manual_seed(0)
-  cpu = served_modules.Decorated(width).eval()
-  model = served_modules.Decorated(width).eval()
-  model.load_state_dict(cpu.state_dict())
-  return cpu, model.to(torch_xla.device())
+  return cpu_and_xla(lambda: served_modules.Decorated(width).eval())
 
 
 def test_decorated_forward_served_positionally_and_with_keywords(
@@ -140,11 +136,7 @@ def test_decorated_forward_served_positionally_and_with_keywords(
 
 
 def test_nested_list_and_static_scalars_are_served(patched_bridge):
-  torch.manual_seed(0)
-  cpu = served_modules.LayeredStep().eval()
-  model = served_modules.LayeredStep().eval()
-  model.load_state_dict(cpu.state_dict())
-  model = model.to(torch_xla.device())
+  cpu, model = cpu_and_xla(lambda: served_modules.LayeredStep().eval())
   buckets = [
       CallSpec(TensorSpec((b, 16)), [TensorSpec((8, 16))] * 2, scale=0.5)
       for b in (2, 4)

@@ -86,8 +86,8 @@ class CallSpec:
       device: Any,
       pool: Optional[Dict[Tuple[TensorSpec, int], torch.Tensor]] = None
   ) -> Tuple[tuple, Dict[str, Any]]:
-    """(args, kwargs) with zeros for every TensorSpec (made on the host and
-    copied, see io_utils.zeros_on_device).
+    """(args, kwargs) with zeros for every TensorSpec (see
+    io_utils.zeros_on_device).
 
     Args:
       pool: tensors made for earlier buckets, by (spec, how many tensors of
@@ -100,16 +100,18 @@ class CallSpec:
     """
     seen: Dict[TensorSpec, int] = {}
 
-    def make(spec: TensorSpec) -> torch.Tensor:
+    def make(leaf: Any) -> Any:
+      if not isinstance(leaf, TensorSpec):
+        return leaf
       if pool is None:
-        return spec.materialize(device)
-      place = (spec, seen.get(spec, 0))
-      seen[spec] = place[1] + 1
+        return leaf.materialize(device)
+      place = (leaf, seen.get(leaf, 0))
+      seen[leaf] = place[1] + 1
       if place not in pool:
-        pool[place] = spec.materialize(device)
+        pool[place] = leaf.materialize(device)
       return pool[place]
 
-    return (_materialize(self.args, make), _materialize(self.kwargs, make))
+    return _map_leaves(self.args, make), _map_leaves(self.kwargs, make)
 
   @property
   def tensor_specs(self) -> List[TensorSpec]:
@@ -117,7 +119,7 @@ class CallSpec:
     _spec_leaves((self.args, self.kwargs), leaves)
     return [leaf for leaf in leaves if isinstance(leaf, TensorSpec)]
 
-  def layout(self) -> Hashable:
+  def layout(self) -> Any:
     """What buckets of one model share (see [Note: Served call
     structure]): a JSON-able nesting of lists."""
     kwargs = _sorted(self.kwargs)
@@ -158,14 +160,14 @@ def _check_spec_tree(value: Any, where: str) -> None:
       'tuples and dicts of them')
 
 
-def _materialize(value: Any, make: Callable[[TensorSpec], torch.Tensor]) -> Any:
-  if isinstance(value, TensorSpec):
-    return make(value)
+def _map_leaves(value: Any, function: Callable[[Any], Any]) -> Any:
+  """`value` with `function` applied to each leaf of its lists, tuples and
+  dicts."""
   if isinstance(value, (tuple, list)):
-    return type(value)(_materialize(item, make) for item in value)
+    return type(value)(_map_leaves(item, function) for item in value)
   if isinstance(value, dict):
-    return {name: _materialize(item, make) for name, item in value.items()}
-  return value
+    return {name: _map_leaves(item, function) for name, item in value.items()}
+  return function(value)
 
 
 def _spec_leaves(value: Any, leaves: List[Any]) -> None:
@@ -296,17 +298,12 @@ def _walk(value: Any, leaves: List[Any], parts: List[Any],
 
 def spec_of_call(args: Sequence[Any], kwargs: Dict[str, Any]) -> CallSpec:
   """The CallSpec a call fits (its tensors' sizes and dtypes)."""
-  return CallSpec(*_spec_of(tuple(args)), **_spec_of(dict(kwargs)))
 
+  def spec_of(leaf: Any) -> Any:
+    return TensorSpec.of(leaf) if isinstance(leaf, torch.Tensor) else leaf
 
-def _spec_of(value: Any) -> Any:
-  if isinstance(value, torch.Tensor):
-    return TensorSpec.of(value)
-  if isinstance(value, (tuple, list)):
-    return type(value)(_spec_of(item) for item in value)
-  if isinstance(value, dict):
-    return {name: _spec_of(item) for name, item in value.items()}
-  return value
+  return CallSpec(*_map_leaves(tuple(args), spec_of),
+                  **_map_leaves(dict(kwargs), spec_of))
 
 
 class KeywordBinding:

@@ -236,6 +236,15 @@ class CompiledGraphEntry:
   # Donating in-place updates]).
   donated_positions: Tuple[int, ...] = ()
 
+  @functools.cached_property
+  def input_positions(self) -> Tuple[int, ...]:
+    """The argument positions the program reads, each once."""
+    return tuple(
+        sorted({
+            position for position in self.graph_input_matcher.arg_idxs
+            if position is not None
+        }))
+
 
 @contextlib.contextmanager
 def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -551,23 +560,15 @@ def _mark_updated_by_epilogue(xla_model: torch.fx.GraphModule,
   return donated
 
 
-def _trace_donating(
-    xla_model: torch.fx.GraphModule,
-    args: Sequence[Any],
-    layout: ArgLayout,
-    restore: Callable[[], None],
-    traced: Optional[TracedGraph] = None,
-    marked: Tuple[int, ...] = ()
-) -> TracedGraph:
-  """Traces `xla_model` on `args` with donated buffers (see [Note: Donating
-  in-place updates]): the arguments AOTAutograd's epilogue updates are
-  marked before the trace, those the graph updates itself are marked after
-  it and traced again from the arguments `restore` puts back. A caller that
-  traced already passes its result `traced` and the positions it `marked`
-  before."""
-  if traced is None:
-    marked = _mark_updated_by_epilogue(xla_model, args, layout)
-    traced = _trace_graph(xla_model, args, layout)
+def _trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                    layout: ArgLayout, restore: Callable[[], None],
+                    traced: TracedGraph, marked: Tuple[int,
+                                                       ...]) -> TracedGraph:
+  """`traced`, a trace of `xla_model` on `args` whose arguments at `marked`
+  were marked as donors before it (_mark_updated_by_epilogue), with donated
+  buffers (see [Note: Donating in-place updates]): where the graph updates
+  arguments itself, they are marked too and traced again from the
+  arguments `restore` puts back."""
   donated = marked
   updated = [
       position for position, _ in traced.entry.output_plan.inplace_updates
@@ -594,26 +595,33 @@ def _with_donated(traced: TracedGraph, donated: Tuple[int, ...]) -> TracedGraph:
                                  traced.entry, donated_positions=donated))
 
 
+def _sync_pending_readers() -> None:
+  """Syncs the pending IR of the device before a donating run: it may read a
+  buffer the run takes over (see [Note: Donating in-place updates])."""
+  torch_xla._XLAC._xla_sync_live_tensors(str(torch_xla.device()), [], False)
+
+
 def prepare_donating_run(entry: CompiledGraphEntry,
                          args: Sequence[Any]) -> Sequence[Any]:
   """The arguments to run a donating entry with (see [Note: Donating
   in-place updates]): pending IR on the device synced, and a donated
   argument that shares its data with another argument copied."""
-  torch_xla._XLAC._xla_sync_live_tensors(str(torch_xla.device()), [], False)
-  donated = entry.donated_positions
-  tensors = [
-      position for position in entry.graph_input_matcher.arg_idxs
-      if position is not None
+  _sync_pending_readers()
+  data_ids = {
+      position: _data_id(args[position]) for position in entry.input_positions
+  }
+  readers = collections.Counter(data_ids.values())
+  shared = [
+      position for position in entry.donated_positions
+      if readers[data_ids[position]] > 1
   ]
-  data = collections.Counter(_data_id(args[position]) for position in tensors)
-  if all(data[_data_id(args[position])] == 1 for position in donated):
+  if not shared:
     return args
   run_args = list(args)
-  for position in donated:
-    if data[_data_id(args[position])] > 1:
-      _increment_counter(COUNTER_DONATION_COPIED, 1)
-      run_args[position] = torch.clone(args[position])
-  _sync_pending_inputs([run_args[position] for position in donated])
+  for position in shared:
+    _increment_counter(COUNTER_DONATION_COPIED, 1)
+    run_args[position] = torch.clone(args[position])
+  _sync_pending_inputs([run_args[position] for position in shared])
   return run_args
 
 
@@ -627,7 +635,9 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   # such a failure and the caller's call goes on.
   with pending_ir_restored([args[i] for i in layout.tensor_positions
                            ]) as restore:
-    traced = _trace_donating(xla_model, args, layout, restore)
+    marked = _mark_updated_by_epilogue(xla_model, args, layout)
+    traced = _trace_donating(xla_model, args, layout, restore,
+                             _trace_graph(xla_model, args, layout), marked)
     if traced.graph_tensors:
       with alias_with_buffer_donor_config():
         compile_graph(traced.graph_tensors)
@@ -1213,8 +1223,7 @@ class BoundProgram:
         # free_args may hold a served call's other leaves (ints, None).
         _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
       if self._donates:
-        torch_xla._XLAC._xla_sync_live_tensors(str(torch_xla.device()), [],
-                                               False)
+        _sync_pending_readers()
       results = torch_xla._XLAC._run_cached_graph(self.graph_hash, inputs)
       for free, bound, result_index in self._updates:
         (bound if free is None else free_args[free]).copy_(

@@ -376,9 +376,8 @@ class FastPath:
     # grad mode: served calls run without autograd in either.
     self._global_states: Tuple[Any, Any] = ()
     self._plan: Optional[ArgumentPlan] = None
-    # Call key -> run(leaves, args, kwargs).
-    self._runs: Dict[Hashable, Callable[[Sequence[Any], tuple, Dict[str, Any]],
-                                        Any]] = {}
+    # Call key -> run(the call's leaves).
+    self._runs: Dict[Hashable, Callable[[Sequence[Any]], Any]] = {}
     self._warned_verify = False
     self._last_plan_error: Optional[str] = None
     # Calls served by the fast path.
@@ -419,7 +418,7 @@ class FastPath:
     if config.serve_verify and not self._verified(args, kwargs):
       return NOT_RUN
     self.fast_calls += 1
-    return run(leaves, args, kwargs)
+    return run(leaves)
 
   def _verified(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
     if self._compiled.guard_check(*args, **kwargs):
@@ -479,7 +478,7 @@ class FastPath:
             type(self._model).__name__, e)
 
   def _bound_run(self, key: Hashable, leaves: Sequence[Any], result: Any,
-                 call: Tuple[tuple, tuple]) -> Callable[..., Any]:
+                 call: Tuple[tuple, tuple]) -> Callable[[Sequence[Any]], Any]:
     graph_args, graph_outputs = call
     if self._plan is None:
       self._plan = ArgumentPlan.of_call(
@@ -491,8 +490,7 @@ class FastPath:
     plan = self._plan
     backend = self._backend
 
-    def through_bridge(leaves: Sequence[Any], args: tuple,
-                       kwargs: Dict[str, Any]) -> Any:
+    def through_bridge(leaves: Sequence[Any]) -> Any:
       return rebuild(backend(*plan.graph_args(leaves)), leaves)
 
     cache = backend.signature_cache
@@ -501,8 +499,7 @@ class FastPath:
     if bound is None:
       return through_bridge
 
-    def direct(leaves: Sequence[Any], args: tuple, kwargs: Dict[str,
-                                                                Any]) -> Any:
+    def direct(leaves: Sequence[Any]) -> Any:
       try:
         outputs = bound(leaves)
       except RuntimeError:
@@ -511,7 +508,7 @@ class FastPath:
         # of this key learns its program again from a full call.
         _increment_counter(COUNTER_BRIDGE_RECOVERY, 1)
         self._runs.pop(key, None)
-        return through_bridge(leaves, args, kwargs)
+        return through_bridge(leaves)
       return rebuild(outputs, leaves)
 
     return direct

@@ -85,7 +85,7 @@ class Sharding:
     xs.mark_sharding(tensor, mesh, self.partition_spec)
 
   def to_json(self) -> Dict[str, Any]:
-    return json.loads(json.dumps(dataclasses.asdict(self)))
+    return json_round_trip(dataclasses.asdict(self))
 
   def describe(self) -> str:
     return '{' + ','.join(str(p) for p in self.partition_spec) + '}'

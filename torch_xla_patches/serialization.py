@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from torch_xla_patches import artifact
+from torch_xla_patches import call_spec
 from torch_xla_patches import config
 from torch_xla_patches import io_utils
 from torch_xla_patches import record
@@ -101,7 +102,9 @@ class CompiledModel:
     model: the nn.Module whose call was captured (see [Note: Capturing a
       module's call]), or the function.
     module_call: whether aot_fn captured call_module, called as
-      aot_fn(model, args, kwargs); else aot_fn is the function itself.
+      aot_fn(model, args, kwargs) with the call bound to the forward's
+      parameter names (call_spec.KeywordBinding), as it was captured; else
+      aot_fn is the function itself.
     example_args: input specs of an example call (see _arg_specs), used by
       load to warm up; None if the call cannot be rebuilt from specs.
   """
@@ -112,13 +115,23 @@ class CompiledModel:
     self.model = model
     self.module_call = module_call
     self.example_args = example_args
+    self._bind = (call_spec.KeywordBinding(model.forward)
+                  if module_call else None)
+
+  def captured_arguments(
+      self, args: tuple, kwargs: Dict[str,
+                                      Any]) -> Tuple[tuple, Dict[str, Any]]:
+    """The (args, kwargs) of the captured function for a call of the model
+    with `args`, `kwargs` (see [Note: Capturing a module's call])."""
+    if self._bind is None:
+      return args, kwargs
+    return (self.model,) + self._bind(args, kwargs), {}
 
   def __call__(self, *args, **kwargs):
     # Inference only: the graph is dynamo's, with no AOTAutograd (see the
     # module docstring).
+    args, kwargs = self.captured_arguments(args, kwargs)
     with torch.no_grad():
-      if self.module_call:
-        return self.aot_fn(self.model, args, kwargs)
       return self.aot_fn(*args, **kwargs)
 
   def precompile_pending(self) -> int:
@@ -135,26 +148,22 @@ class CompiledModel:
     """Whether dynamo's guards accept a call with `args`, `kwargs`: False
     means the captured code does not apply and calling would raise. Checked
     under no_grad, as calls run."""
+    args, kwargs = self.captured_arguments(args, kwargs)
     with torch.no_grad():
-      if self.module_call:
-        return self.aot_fn.guard_check(self.model, args, kwargs)
       return self.aot_fn.guard_check(*args, **kwargs)
 
   def guard_failure(self, *args, **kwargs) -> str:
     """Why dynamo's guards refuse a call (the first failing guard)."""
+    args, kwargs = self.captured_arguments(args, kwargs)
     with torch.no_grad():
-      if self.module_call:
-        return torch_internals.aot_guard_failure(self.aot_fn, self.model, args,
-                                                 kwargs)
       return torch_internals.aot_guard_failure(self.aot_fn, *args, **kwargs)
 
   def call_checked(self, *args, **kwargs) -> Any:
     """Calls the model for arguments that guard_check accepted, without
     checking the guards a second time."""
     function = torch_internals.aot_captured_function(self.aot_fn)
+    args, kwargs = self.captured_arguments(args, kwargs)
     with torch.no_grad():
-      if self.module_call:
-        return function(self.model, args, kwargs)
       return function(*args, **kwargs)
 
   @property
@@ -191,7 +200,8 @@ def aot_compile(model: Any,
   module_call = isinstance(model, torch.nn.Module)
   kwargs = dict(kwargs or {})
   if module_call:
-    target, example = call_module, ((model, tuple(args), kwargs), {})
+    bound = call_spec.KeywordBinding(model.forward)(tuple(args), kwargs)
+    target, example = call_module, ((model,) + bound, {})
   else:
     target, example = model, (tuple(args), kwargs)
   # aot_compile captures outside torch.compile's own context, which is where

@@ -21,8 +21,7 @@ buckets only where all of these match, each one a named part of the key:
     picks other XLA programs);
   * capture: the aot_compile settings (dynamic, size_oblivious, guard
     filter);
-  * formats: the artifact's, the compiled graph's and the records' format
-    versions.
+  * formats: the artifact's and the compiled graph's format versions.
 Left out on purpose: parameter values (the graph takes them as inputs, so a
 fine-tuned checkpoint of one configuration reuses the artifact), and the
 device kind, device count and XLA flags (the artifact holds no executable:

@@ -188,7 +188,6 @@ class ServedModel:
     self.loaded = loaded
     self.fast_path = (fast_dispatch.FastPath(compiled, model) if isinstance(
         compiled, serialization.CompiledModel) else None)
-    self._bind = call_spec.KeywordBinding(model.forward)
     self._retraced = None
 
   def __call__(self, *args, **kwargs):
@@ -204,13 +203,11 @@ class ServedModel:
     if self.fast_path is None:
       with torch.no_grad():
         return compiled(*args, **kwargs)
-    # The capture's arguments were bound so too (see serve()).
-    bound_args, bound_kwargs = self._bind(args, kwargs)
-    if not compiled.guard_check(*bound_args, **bound_kwargs):
+    if not compiled.guard_check(*args, **kwargs):
       return self._retrace(args, kwargs)
     key, leaves = self.fast_path.key_of(args, kwargs)
     with compiled.backend_callable.observed_calls() as calls:
-      result = compiled.call_checked(*bound_args, **bound_kwargs)
+      result = compiled.call_checked(*args, **kwargs)
     self.fast_path.learn(key, leaves, result, calls)
     return result
 
@@ -264,9 +261,8 @@ def _refused_bucket(compiled: serialization.CompiledModel,
   """Why the loaded guards refuse a bucket, if they refuse one."""
   import torch_xla
   device = torch_xla.device()
-  bind = call_spec.KeywordBinding(compiled.model.forward)
   for index, bucket in enumerate(buckets):
-    args, kwargs = bind(*bucket.materialize(device))
+    args, kwargs = bucket.materialize(device)
     if not compiled.guard_check(*args, **kwargs):
       return (f'its guards refuse bucket {index} {bucket.describe()}: '
               f'{compiled.guard_failure(*args, **kwargs)}')
@@ -317,12 +313,9 @@ def serve(model: torch.nn.Module,
       _compile_buckets(served, buckets)
       return served
     logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model, reason)
-  # Bound to the forward's parameter names, as full calls are (see
-  # call_spec.KeywordBinding).
   # The buckets then reuse the example's tensors (a whole KV cache, say).
   tensor_pool: Dict[Any, torch.Tensor] = {}
-  args, kwargs = call_spec.KeywordBinding(model.forward)(
-      *_example(buckets).materialize(torch_xla.device(), tensor_pool))
+  args, kwargs = _example(buckets).materialize(torch_xla.device(), tensor_pool)
   try:
     compiled = serialization.aot_compile(model, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except
