@@ -81,6 +81,25 @@ _increment_counter = torch_xla._XLAC._xla_increment_counter
 
 logger = logging.getLogger('torch_xla_patches.bridge')
 
+# [Note: Threads]
+# Any number of threads may call compiled graphs, of one model or of many.
+# torch_xla's lazy tensors take threads; the bridge's state of a graph does
+# not on its own: the first compile of a graph (upstream's
+# xla_backend_helper compiles on the first call and then deletes the graph),
+# the signature cache and its LRU order, the backlog, the usage log. So every
+# call of a compiled graph, from its key to its outputs (look-up, trace,
+# compile, run, usage, backlog), and every precompile hold one process-wide
+# reentrant lock, `execution_lock`: one device runs one program at a time
+# anyway, and the host work under the lock is that of a single-threaded
+# call. The lock is never taken while dynamo traces (nothing here runs under
+# dynamo's compile lock), so the two cannot deadlock. Other threads build
+# lazy IR without the lock (a request's inputs) at any time, so nothing here
+# drops pending IR it did not make: a trace restores the arguments it
+# updated (pending_ir_restored) and its own outputs die with their
+# references; a sync before a trace or a donating run materializes other
+# threads' pending tensors, which only runs their IR early.
+execution_lock = threading.RLock()
+
 
 class GraphInputMatcher:
   """Builds the input list of a compiled XLA graph for one call.
@@ -253,29 +272,36 @@ def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
 
   Tracing runs the FX graph on the real arguments, so in-place updates in the
   graph give them pending IR. Lazy clones (no device copy happens unless
-  used) are copied back before `_clear_pending_irs` drops all pending IR; the
-  copies themselves are dropped with it.
+  used) are copied back into the updated ones, which then hold the device
+  data they had; the clones are then let go. The pending IR of the device is
+  not cleared: other threads' tensors may be pending (see [Note: Threads]).
   """
   tensors = list(tensors)
   clones = [torch.clone(t) for t in tensors]
   try:
     yield functools.partial(_restore, tensors, clones)
   finally:
-    _restore_and_clear(tensors, clones)
+    _restore_and_release(tensors, clones)
 
 
 def _restore(tensors: List[torch.Tensor], clones: List[torch.Tensor]) -> None:
-  """Copies each clone back into its tensor if the tensor has pending IR, then
-  drops the pending IR of every live tensor on the device."""
+  """Copies each clone back into its tensor if the tensor has pending IR. The
+  copy leaves the tensor's IR a read of its old device data; the sync of
+  those tensors alone makes them that device data again, and runs nothing."""
   flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-  for tensor, clone, updated in zip(tensors, clones, flags):
-    if updated:
+  updated = [tensor for tensor, flag in zip(tensors, flags) if flag]
+  for tensor, clone, flag in zip(tensors, clones, flags):
+    if flag:
       tensor.copy_(clone)
-  torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
+  if updated:
+    torch_xla._XLAC._xla_sync_multi(updated,
+                                    devices=[],
+                                    wait=True,
+                                    sync_xla_data=True)
 
 
-def _restore_and_clear(tensors: List[torch.Tensor],
-                       clones: List[torch.Tensor]) -> None:
+def _restore_and_release(tensors: List[torch.Tensor],
+                         clones: List[torch.Tensor]) -> None:
   """_restore, then lets the clones go."""
   _restore(tensors, clones)
   del clones[:]
@@ -466,15 +492,30 @@ def record_mutated_inputs(helper: Callable[..., Any]) -> Callable[..., Any]:
   of the inputs AOTAutograd's epilogue updates from its first outputs (see
   [Note: Donating in-place updates]): AOTAutograd functionalizes an in-place
   update of an input into an output and a `copy_` after the graph, so the
-  bridge's trace sees no in-place update."""
+  bridge's trace sees no in-place update. The callable it returns, which
+  compiles on its first call, holds execution_lock (see [Note: Threads])."""
 
   def xla_backend_helper(model, fake_tensor_inputs, boxed=False):
     mutated = aot_autograd_mutated_inputs()
     if mutated and _outputs_match_inputs(model, mutated):
       model.meta[MUTATED_INPUTS_META] = mutated
-    return helper(model, fake_tensor_inputs, boxed=boxed)
+    return holding_execution_lock(helper(model, fake_tensor_inputs,
+                                         boxed=boxed))
 
   return xla_backend_helper
+
+
+def holding_execution_lock(compiled: Callable[..., Any]) -> Callable[..., Any]:
+  """`compiled`, called under execution_lock (see [Note: Threads]); a boxed
+  function stays boxed."""
+
+  def locked(*args):
+    with execution_lock:
+      return compiled(*args)
+
+  if getattr(compiled, '_boxed_call', False):
+    locked._boxed_call = True
+  return locked
 
 
 def aot_autograd_mutated_inputs() -> Tuple[int, ...]:
@@ -598,7 +639,14 @@ def _with_donated(traced: TracedGraph, donated: Tuple[int, ...]) -> TracedGraph:
 def _sync_pending_readers() -> None:
   """Syncs the pending IR of the device before a donating run: it may read a
   buffer the run takes over (see [Note: Donating in-place updates])."""
-  torch_xla._XLAC._xla_sync_live_tensors(str(torch_xla.device()), [], False)
+  torch_xla._XLAC._xla_sync_live_tensors(_device_name(), [], False)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name() -> str:
+  """The process's XLA device, by name (one per process under PJRT; asking
+  torch_xla costs about 8 us per donating run)."""
+  return str(torch_xla.device())
 
 
 def prepare_donating_run(entry: CompiledGraphEntry,
@@ -664,9 +712,9 @@ class CompileWindow:
   thread, under the GIL, and compiles it on a pool of that many threads
   (`_xla_warm_up_cache` releases the GIL while XLA compiles). A serial trace
   starts with torch_xla.sync(), which executes the pending IR of every live
-  tensor, and ends with _clear_pending_irs, which drops it: either would
-  break a graph whose outputs a worker is compiling. So, while any compile
-  is in flight, a trace here
+  tensor, and ends by restoring the arguments it updated: either would break
+  a graph whose outputs a worker is compiling. So, while any compile is in
+  flight, a trace here
     - syncs nothing: if an argument has pending IR, it first waits for every
       compile in flight and syncs as the serial path does; otherwise it only
       advances the RNG seed as the sync would have (each trace starts from
@@ -684,8 +732,7 @@ class CompileWindow:
   With nothing in flight a trace syncs, as a serial trace does. Buffer-donor
   aliasing is on for the whole window (it only changes warm-up compiles and
   graph hashes; a sync donates the same buffers either way). The window
-  ends when every compile is done, with the pending IR of the device
-  cleared, as after a serial replay. Entries are added, counted and recorded
+  ends when every compile is done. Entries are added, counted and recorded
   by the caller on the calling thread, in the order the signatures were
   started, so the cache, the counters and the errors (see backlog.py) are
   those of a serial replay.
@@ -698,7 +745,6 @@ class CompileWindow:
     self._in_flight: List[concurrent.futures.Future] = []
     # The seed the last sync, real or advanced here, left.
     self._seed = 0
-    self._traced = False
 
   def _busy(self) -> bool:
     self._in_flight = [f for f in self._in_flight if not f.done()]
@@ -722,7 +768,6 @@ class CompileWindow:
     else:
       torch_xla.sync(reset_scope=False)
       self._seed = torch_xla._XLAC._xla_get_rng_seed()
-    self._traced = True
 
   def trace(
       self, xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -766,7 +811,7 @@ class CompileWindow:
       raise
     finally:
       if restore:
-        _restore_and_clear(tensors, clones)
+        _restore_and_release(tensors, clones)
 
   @contextlib.contextmanager
   def opened(self) -> Iterator['CompileWindow']:
@@ -778,8 +823,6 @@ class CompileWindow:
           self.wait()
     finally:
       self._pool.shutdown(wait=True)
-      if self._traced:
-        torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
 
 
 class _ClaimedMiss(Exception):
@@ -875,6 +918,10 @@ class PrecompileCalls:
   def compile(self) -> ClaimsCompiled:
     """Traces every claim here and compiles it on the workers, in order,
     stopping at the first that raises."""
+    with execution_lock:
+      return self._compile()
+
+  def _compile(self) -> ClaimsCompiled:
     window = CompileWindow(self.workers)
     in_flight: Deque[Tuple[_Claim, Any]] = collections.deque()
     seconds: List[float] = []
@@ -980,6 +1027,28 @@ class SignatureCache:
     _live_caches.add(self)
 
   # -- entries
+
+  def look_up(self, key: Hashable) -> Optional[CompiledGraphEntry]:
+    """The entry of `key`, now the most recently used, counted as a hit;
+    None if the signature has none. Every run of a cached program, through
+    the bridge's callable or a BoundProgram, starts here."""
+    entry = self.entries.get(key)
+    if entry is not None:
+      _increment_counter(COUNTER_HIT, 1)
+      self.entries.move_to_end(key)
+    return entry
+
+  def served(self, key: Hashable) -> None:
+    """After every call of `key` that ran: its served count for the
+    signature index, and one recorded signature of the backlog compiled
+    (see [Note: Replaying recorded signatures])."""
+    usage = self.usage
+    if usage is not None:
+      usage.served[key] += 1
+      if time.monotonic() >= usage.next_flush:
+        usage.flush()
+    if self.backlog:
+      self.backlog.after_served_call()
 
   def trace(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
     entry = extract_graph_helper(self.xla_model, args, self.layout)
@@ -1120,7 +1189,8 @@ class SignatureCache:
 
   def drain_backlog(self) -> int:
     """Compiles every queued signature now; returns how many compiled."""
-    return self.backlog.drain_all().compiled
+    with execution_lock:
+      return self.backlog.drain_all().compiled
 
   # -- bound programs
 
@@ -1133,7 +1203,8 @@ class SignatureCache:
     its program cannot be bound (it draws a random seed, or returns an
     argument)."""
     key = self.key_of(args)
-    entry = self.entries.get(key)
+    with execution_lock:
+      entry = self.entries.get(key)
     if entry is None:
       return None
     matcher = entry.graph_input_matcher
@@ -1177,11 +1248,13 @@ class BoundProgram:
   synced first (and, for a program that donates, the device's pending IR:
   see [Note: Donating in-place updates]), arguments updated in place take
   their results with `copy_` (which views and aliases of them follow), the
-  signature's served count is kept for the index, and the backlog compiles
-  one recorded signature after the call. A run that XLA
-  refuses (a bound tensor with pending IR, an evicted program) raises
-  RuntimeError before anything runs; the caller then goes through the
-  bridge's callable, which recovers.
+  signature is looked up and served as every run of the bridge is
+  (SignatureCache.look_up and served: LRU order, hit counter, usage,
+  backlog), under execution_lock (see [Note: Threads]). A run that cannot
+  start (its signature dropped from the cache or traced again, a bound
+  tensor with pending IR, a program XLA evicted) raises RefusedBeforeRun
+  with nothing run; the caller then goes through the bridge's callable,
+  which recovers. Any other error is the call's own and propagates.
 
   Args:
     cache: the graph's signature cache.
@@ -1203,43 +1276,61 @@ class BoundProgram:
                               ...] = ()):
     self.key = key
     self.graph_hash = entry.graph_hash
+    self._cache = cache
+    self._entry = entry
     self._inputs = inputs
     self._free_slots = free_slots
     self._updates = updates
     self._donates = bool(entry.donated_positions)
     self._output_plan = entry.output_plan
     self._outputs_are_results = entry.output_plan.outputs_are_results
-    self._backlog = cache.backlog
-    self._usage = cache.usage
 
   def __call__(self, free_args: Sequence[torch.Tensor]) -> List[Any]:
-    """Runs the program; returns every graph output, in order."""
-    inputs = self._inputs.copy()
-    for slot, index in self._free_slots:
-      inputs[slot] = free_args[index]
-    plan = self._output_plan
-    if plan.num_results:
-      if not upstream_config.skip_input_data_check:
-        # free_args may hold a served call's other leaves (ints, None).
-        _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
-      if self._donates:
-        _sync_pending_readers()
-      results = torch_xla._XLAC._run_cached_graph(self.graph_hash, inputs)
-      for free, bound, result_index in self._updates:
-        (bound if free is None else free_args[free]).copy_(
-            results[result_index])
-    else:
-      results = []
-    outputs = (results if self._outputs_are_results else plan.outputs(
-        results, (), apply_updates=False))
-    usage = self._usage
-    if usage is not None:
-      usage.served[self.key] += 1
-      if time.monotonic() >= usage.next_flush:
-        usage.flush()
-    if self._backlog:
-      self._backlog.after_served_call()
-    return outputs
+    """Runs the program; returns every graph output, in order. Raises
+    RefusedBeforeRun if it cannot start."""
+    with execution_lock:
+      cache = self._cache
+      if cache.look_up(self.key) is not self._entry:
+        raise RefusedBeforeRun('the signature\'s entry was dropped from the '
+                               'cache or traced again')
+      inputs = self._inputs.copy()
+      for slot, index in self._free_slots:
+        inputs[slot] = free_args[index]
+      plan = self._output_plan
+      if plan.num_results:
+        if not upstream_config.skip_input_data_check:
+          # free_args may hold a served call's other leaves (ints, None).
+          _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
+        if self._donates:
+          _sync_pending_readers()
+        results = run_program(self.graph_hash, inputs)
+        for free, bound, result_index in self._updates:
+          (bound if free is None else free_args[free]).copy_(
+              results[result_index])
+      else:
+        results = []
+      outputs = (results if self._outputs_are_results else plan.outputs(
+          results, (), apply_updates=False))
+      cache.served(self.key)
+      return outputs
+
+
+class RefusedBeforeRun(RuntimeError):
+  """A compiled program was not run, and nothing of the call happened: its
+  signature is no longer cached, an input has pending IR, or XLA evicted the
+  program (see [Note: Bound programs])."""
+
+
+def run_program(graph_hash: Any, inputs: List[Any]) -> List[torch.Tensor]:
+  """`_run_cached_graph`, whose refusals before running (an input with
+  pending IR, an evicted program) raise RefusedBeforeRun."""
+  try:
+    return torch_xla._XLAC._run_cached_graph(graph_hash, inputs)
+  except RuntimeError as error:
+    message = str(error)
+    if _PENDING_IR_MESSAGE in message or _EVICTED_MESSAGE in message:
+      raise RefusedBeforeRun(message) from error
+    raise
 
 
 def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
@@ -1264,14 +1355,8 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   cache.on_miss(cache.key_of(first_args), first_args)
   cache.queue_index_records(first_args)
   del xla_model.xla_args
-  backlog = cache.backlog
-  usage = cache.usage
-  served = usage.served if usage is not None else None
-  monotonic = time.monotonic
 
   key_of = cache.key_of
-  entries = cache.entries
-  run_cached_graph = torch_xla._XLAC._run_cached_graph
   all_tensors = tuple_getter(layout.tensor_positions)
   # [Note: Input materialization check]
   # `_run_cached_graph` needs device data, not pending IR, as input.
@@ -1280,70 +1365,59 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   # are rarely pending (only after an eager update with no sync), and there
   # are many of them, so they are not checked: `_run_cached_graph` refuses
   # pending IR before it runs anything, and the refusal is handled in
-  # run_after_error.
+  # run_after_refusal.
   checked_tensors = tuple_getter(
       layout.positions(ArgKind.TENSOR, ArgKind.DYNAMIC_TENSOR))
 
-  def run_after_error(error: RuntimeError, key: Hashable,
-                      entry: CompiledGraphEntry, args: Sequence[Any]):
+  def run_after_refusal(refusal: RefusedBeforeRun, key: Hashable,
+                        entry: CompiledGraphEntry, args: Sequence[Any]):
     # `_run_cached_graph` refuses pending-IR inputs (see [Note: Input
     # materialization check]) and evicted programs before running anything;
     # sync the inputs, or re-trace the evicted signature, and run again.
     for _ in range(3):
-      message = str(error)
+      message = str(refusal)
       if _PENDING_IR_MESSAGE in message:
         if upstream_config.skip_input_data_check:
           # The user turned the input check off: report, don't sync.
-          raise error
+          raise refusal.__cause__ or refusal
         _sync_pending_inputs(all_tensors(args))
-      elif _EVICTED_MESSAGE in message:
+      else:
         _increment_counter(COUNTER_RETRACE, 1)
         entry = cache.trace(key, args)
-      else:
-        raise error
       run_args = (prepare_donating_run(entry, args)
                   if entry.donated_positions else args)
       try:
-        return entry, run_cached_graph(entry.graph_hash,
-                                       entry.graph_input_matcher(run_args))
-      except RuntimeError as next_error:
-        error = next_error
-    raise error
+        return entry, run_program(entry.graph_hash,
+                                  entry.graph_input_matcher(run_args))
+      except RefusedBeforeRun as next_refusal:
+        refusal = next_refusal
+    raise refusal.__cause__ or refusal
 
   def optimized_mod(*args):
-    key = key_of(args)
-    entry = entries.get(key)
-    if entry is None:
-      if _precompile_calls is not None:
-        _precompile_calls.claim(cache, key, args)
-      entry = cache.on_miss(key, args)
-    else:
-      _increment_counter(COUNTER_HIT, 1)
-      entries.move_to_end(key)
-    plan = entry.output_plan
-    if plan.num_results:
-      if not upstream_config.skip_input_data_check:
-        _sync_pending_inputs(checked_tensors(args))
-      run_args = (prepare_donating_run(entry, args)
-                  if entry.donated_positions else args)
-      try:
-        results = run_cached_graph(entry.graph_hash,
-                                   entry.graph_input_matcher(run_args))
-      except RuntimeError as error:
-        entry, results = run_after_error(error, key, entry, args)
-        plan = entry.output_plan
-    else:
-      results = []
-    outputs = plan.assemble(results, args)
-    if served is not None:
-      served[key] += 1
-      if monotonic() >= usage.next_flush:
-        usage.flush()
-    if backlog:
-      # One recorded signature per served call (see [Note: Replaying
-      # recorded signatures]).
-      backlog.after_served_call()
-    return outputs
+    with execution_lock:
+      key = key_of(args)
+      entry = cache.look_up(key)
+      if entry is None:
+        if _precompile_calls is not None:
+          _precompile_calls.claim(cache, key, args)
+        entry = cache.on_miss(key, args)
+      plan = entry.output_plan
+      if plan.num_results:
+        if not upstream_config.skip_input_data_check:
+          _sync_pending_inputs(checked_tensors(args))
+        run_args = (prepare_donating_run(entry, args)
+                    if entry.donated_positions else args)
+        try:
+          results = run_program(entry.graph_hash,
+                                entry.graph_input_matcher(run_args))
+        except RefusedBeforeRun as refusal:
+          entry, results = run_after_refusal(refusal, key, entry, args)
+          plan = entry.output_plan
+      else:
+        results = []
+      outputs = plan.assemble(results, args)
+      cache.served(key)
+      return outputs
 
   optimized_mod.signature_cache = cache
   return optimized_mod
@@ -1415,7 +1489,7 @@ class InputCollector(torch.fx.Interpreter):
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   torch_xla._XLAC._xla_increment_counter('DynamoExtractCompiledGraph', 1)
-  with torch_xla.experimental.eager_mode_context(False):
+  with execution_lock, torch_xla.experimental.eager_mode_context(False):
     return extract_compiled_graph_helper(xla_model, xla_args)
 
 

@@ -13,6 +13,7 @@ dynamo's (torch-level ops, before AOTAutograd): inference only.
 import contextlib
 import dataclasses
 import pickle
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -127,9 +128,9 @@ class XlaSerializableCallable(SerializableCallable):
     self._cache = None
     # A record of every signature served here, by key, in first-seen order.
     self._seen: Dict[Any, record.RecordedSignature] = {}
-    # Called with (graph arguments, graph outputs) of each call while
-    # observed (see observed_calls).
-    self._observer: Optional[Callable[[tuple, tuple], None]] = None
+    # Per thread: the list observed_calls appends each call of that thread
+    # to, while observed.
+    self._observed = threading.local()
 
   def name_source(self, source: str) -> None:
     """Names the file the loaded signatures came from, for messages."""
@@ -139,32 +140,36 @@ class XlaSerializableCallable(SerializableCallable):
   # -- running
 
   def __call__(self, *args):
-    if self._compiled is None:
-      self._compile_first(list(args))
-    cache = self._cache
-    if cache is not None:
-      key = cache.key_of(args)
-      if key not in self._seen:
-        self._seen[key] = record.make_record(cache.layout, args)
-    out = self._compiled(*args)
+    # The first call compiles; every call runs under the bridge's lock (see
+    # [Note: Threads]).
+    with dynamo_bridge.execution_lock:
+      if self._compiled is None:
+        self._compile_first(list(args))
+      cache = self._cache
+      if cache is not None:
+        key = cache.key_of(args)
+        if key not in self._seen:
+          self._seen[key] = record.make_record(cache.layout, args)
+      out = self._compiled(*args)
     # The bridge unwraps a single output (upstream's convention); dynamo's
     # bytecode indexes the graph's output tuple.
     if self._single_output and not isinstance(out, (tuple, list)):
       out = (out,)
-    if self._observer is not None:
-      self._observer(args, tuple(out))
+    calls = getattr(self._observed, 'calls', None)
+    if calls is not None:
+      calls.append((args, tuple(out)))
     return out
 
   @contextlib.contextmanager
   def observed_calls(self) -> Iterator[List[Tuple[tuple, tuple]]]:
-    """Within the block, the (graph arguments, graph outputs) of each call,
-    in order."""
+    """Within the block, the (graph arguments, graph outputs) of each call
+    this thread makes, in order."""
     calls: List[Tuple[tuple, tuple]] = []
-    self._observer = lambda args, outputs: calls.append((args, outputs))
+    self._observed.calls = calls
     try:
       yield calls
     finally:
-      self._observer = None
+      self._observed.calls = None
 
   @property
   def signature_cache(self) -> Optional[dynamo_bridge.SignatureCache]:
@@ -200,7 +205,8 @@ class XlaSerializableCallable(SerializableCallable):
 
   def recorded_signatures(self) -> Tuple[record.RecordedSignature, ...]:
     """Signatures to save: those served here, then those loaded."""
-    records = list(self._seen.values())
+    with dynamo_bridge.execution_lock:
+      records = list(self._seen.values())
     ids = {r.record_id for r in records}
     records.extend(r for r in self._loaded if r.record_id not in ids)
     return tuple(records)
