@@ -130,9 +130,9 @@ def test_decorated_forward_served_positionally_and_with_keywords(
       assert sorted(result) == ['total', 'y']
       for name in result:
         torch.testing.assert_close(result[name].cpu(), expected[name])
-  if served.fast_path is not None:
+  if served.calls is not None:
     # Every call after the first of a key and form took the fast path.
-    assert served.fast_path.fast_calls > 0
+    assert served.calls.fast_calls > 0
 
 
 def test_nested_list_and_static_scalars_are_served(patched_bridge):
@@ -187,7 +187,7 @@ def test_hugging_face_family_served_with_keywords(patched_bridge, family):
                **constant) for b in (2, 4) for s in (8, 16)
   ]
   served = torch_xla_patches.serve(model, buckets)
-  if served.fast_path is not None:
+  if served.calls is not None:
     # Captured, not served through torch.compile's fallback.
     assert served.compiled.module_call
   torch.manual_seed(1)
@@ -235,7 +235,7 @@ def check(name, cpu, served, calls):
     for a, b in zip(ours, theirs):
       worst = max(worst, (a.cpu() - b).abs().max().item())
   report[name] = dict(loaded=served.loaded, error=worst,
-                      fast=served.fast_path.fast_calls)
+                      fast=served.calls.fast_calls)
 
 frames = counters['stats']['unique_graphs']
 cpu, model = hf_models.build('llama')

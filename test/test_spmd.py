@@ -171,7 +171,7 @@ xs.mark_sharding(x_xla, mesh, ('data', None))
 with torch.no_grad():
   expected = cpu(x)
 after_error = (served(x_xla).cpu() - expected).abs().max().item()
-fast = served.fast_path.fast_calls if served.fast_path is not None else None
+fast = served.calls.fast_calls if served.calls is not None else None
 print(json.dumps(dict(loaded=served.loaded, error=worst, frames=frames,
                       fast=fast, raised=raised, after_error=after_error,
                       counters={name: met.counter_value(name)

@@ -31,7 +31,12 @@ unchanged:
     ModuleWatch generation, bumped by torch's parameter, buffer and submodule
     registration hooks (an assignment or `register_*`), by `train()` /
     `eval()` and by dtype and device conversions (`to`, `half`, ...);
-  * the user-argument key is one the full path served.
+  * every parameter and buffer the plan binds has the dtype, device, sizes
+    and strides it had (one C++ check of dynamo's tensor guards): a `.data`
+    assignment or `torch.utils.swap_tensors` changes the tensor behind the
+    same object without any hook;
+  * the user-argument key (shardings included under SPMD) is one the full
+    path served.
 Anything else takes the full path, counted per reason (COUNTER_FALLBACK_*);
 a full call whose guards fail is served by a re-trace (COUNTER_RETRACE). The
 fast path is only built when the captured code does nothing but read
@@ -42,6 +47,8 @@ call to find such a change.
 """
 import dataclasses
 import dis
+import functools
+import itertools
 import logging
 import operator
 import weakref
@@ -53,6 +60,7 @@ import torch_xla
 
 from torch_xla_patches import call_spec
 from torch_xla_patches import config
+from torch_xla_patches import dynamo_bridge
 from torch_xla_patches import torch_internals
 
 logger = logging.getLogger('torch_xla_patches.serving')
@@ -79,6 +87,9 @@ class ModuleWatch:
   path]). One per process: `module_watch`."""
 
   def __init__(self):
+    # Each change takes the next number: a bump is one atomic step, so two
+    # threads' changes cannot leave a number a plan was stamped with.
+    self._numbers = itertools.count(1)
     self.generation = 0
     self.installed = False
     self._watched: 'weakref.WeakSet[torch.nn.Module]' = weakref.WeakSet()
@@ -94,7 +105,7 @@ class ModuleWatch:
     # Such modules are the trace's own; a change of a watched module is
     # replayed by the captured code at run time, where the hook runs again.
     if not torch.compiler.is_compiling() and module in self._watched:
-      self.generation += 1
+      self.generation = next(self._numbers)
 
   def patches(self) -> List[Tuple[Any, str, Callable[..., Any]]]:
     """(owner, name, replacement) of the nn.Module methods to wrap."""
@@ -134,7 +145,7 @@ class ModuleWatch:
       for handle in handles:
         handle.remove()
       self.installed = False
-      self.generation += 1
+      self.generation = next(self._numbers)
 
     return undo
 
@@ -339,16 +350,34 @@ def _tensor_index(leaves: Sequence[Any]) -> Dict[int, int]:
   }
 
 
-def count_retrace() -> None:
-  _increment_counter(COUNTER_RETRACE, 1)
+class ServedCalls:
+  """Every call of one served model, from its key to its result.
 
-
-# Returned by FastPath.run when the call must take the full path.
-NOT_RUN = object()
-
-
-class FastPath:
-  """The fast path of one served model (see [Note: Served fast path]).
+  [Note: One served call]
+  A call reads top to bottom in __call__:
+    1. its key and leaves (call_spec.call_key), computed once, before
+       anything runs (a run marks an unsharded SPMD input replicated);
+    2. the fast path, if what dynamo's guards protect is known unchanged
+       (see [Note: Served fast path]) and the key has a learned run: the
+       run, on the signature's BoundProgram where the program can be bound,
+       else through the bridge's callable. A BoundProgram that cannot start
+       (dynamo_bridge.RefusedBeforeRun: nothing of the call happened) sends
+       the call through the bridge's callable, which recovers, and forgets
+       the key;
+    3. otherwise the full path: dynamo's guards, then the captured code
+       with the graph calls this thread makes observed; where the guards
+       refuse the call, a re-trace with torch.compile (nothing learned);
+    4. learning from the full call: one transaction under the bridge's
+       execution_lock, against the module generation and the global state
+       read before the guards ran. If a module changed since (another
+       thread swapped a parameter while this call ran), nothing is learned:
+       the plan could hold the tensors of either side of the change.
+  Learned runs are bounded by config.max_signatures_per_graph (the oldest
+  goes first) and dropped as soon as a call sees a changed module or a
+  changed bound tensor, so the tensors they hold are let go with them.
+  Reads of the learned state take no lock: it is replaced, never edited, by
+  writers holding execution_lock, and a run holds that lock itself (see
+  [Note: Threads] in dynamo_bridge.py).
 
   Args:
     compiled: the served CompiledModel (serialization.aot_compile or load).
@@ -371,13 +400,10 @@ class FastPath:
       check_captured_code(compiled.transformed_code)
     except PlanError as e:
       self._disable(str(e))
-    self._generation = -1
-    # The global state of the last full call, and the same with the other
-    # grad mode: served calls run without autograd in either.
-    self._global_states: Tuple[Any, Any] = ()
-    self._plan: Optional[ArgumentPlan] = None
-    # Call key -> run(the call's leaves).
-    self._runs: Dict[Hashable, Callable[[Sequence[Any]], Any]] = {}
+    self._learned = _Learned.NOTHING
+    self._retraced: Optional[Callable[..., Any]] = None
+    # The bound-tensor check that last failed, until it passes again.
+    self._changed_behind: Optional[BoundTensorCheck] = None
     self._warned_verify = False
     self._last_plan_error: Optional[str] = None
     # Calls served by the fast path.
@@ -390,35 +416,55 @@ class FastPath:
         'guards): %s',
         type(self._model).__name__, reason)
 
-  def run(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
-    """The call's result, or NOT_RUN (counted) if it must take the full
-    path."""
-    if not self._runs:
+  def learned_keys(self) -> int:
+    """How many call keys have a learned run."""
+    return len(self._learned.runs)
+
+  def __call__(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
+    key, leaves = call_spec.call_key(args, kwargs, self._sharding_of)
+    run = self._fast_run(key, args, kwargs)
+    if run is not None:
+      self.fast_calls += 1
+      return run(leaves)
+    return self._full_call(args, kwargs, key, leaves)
+
+  # -- the fast path
+
+  def _fast_run(self, key: Optional[Hashable], args: tuple,
+                kwargs: Dict[str, Any]) -> Optional['_Run']:
+    """The learned run of `key` if the fast path may serve the call, else
+    None (counted per reason)."""
+    learned = self._learned
+    if not learned.runs:
       _increment_counter(COUNTER_FALLBACK_NO_PLAN, 1)
-      return NOT_RUN
-    states = self._global_states
+      return None
+    states = learned.global_states
     if not states[0].check():
       if not states[1].check():
         _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
-        return NOT_RUN
+        return None
       # The caller switched grad mode: check its mode first from now on.
-      self._global_states = (states[1], states[0])
+      learned.global_states = (states[1], states[0])
     if (self._function_mode_depth() or self._global_hooks[0] or
         self._global_hooks[1]):
       _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
-      return NOT_RUN
-    if module_watch.generation != self._generation:
+      return None
+    if module_watch.generation != learned.generation:
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
-      return NOT_RUN
-    key, leaves = self.key_of(args, kwargs)
-    run = self._runs.get(key)
+      self._forget(learned)
+      return None
+    if not learned.bound_check():
+      _increment_counter(COUNTER_FALLBACK_MODULE, 1)
+      self._changed_behind = learned.bound_check
+      self._forget(learned)
+      return None
+    run = learned.runs.get(key)
     if run is None:
       _increment_counter(COUNTER_FALLBACK_ARGUMENTS, 1)
-      return NOT_RUN
+      return None
     if config.serve_verify and not self._verified(args, kwargs):
-      return NOT_RUN
-    self.fast_calls += 1
-    return run(leaves)
+      return None
+    return run
 
   def _verified(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
     if self._compiled.guard_check(*args, **kwargs):
@@ -432,62 +478,124 @@ class FastPath:
           'something it does not check changed (README, "What the fast path '
           'checks"). Served by the full path.',
           type(self._model).__name__)
-    self._plan = None
-    self._runs.clear()
+    self._forget(self._learned)
     return False
 
-  # -- learning from full calls
+  def _forget(self, learned: '_Learned') -> None:
+    """Drops what was learned (if still current), with the tensors its
+    plan and runs hold."""
+    with dynamo_bridge.execution_lock:
+      if self._learned is learned:
+        self._learned = _Learned.NOTHING
 
-  def key_of(self, args: tuple,
-             kwargs: Dict[str, Any]) -> Tuple[Optional[Hashable], List[Any]]:
-    """(key, leaves) of a call (see call_spec.call_key), read before the
-    call runs: running it may change what the key reads (an unsharded SPMD
-    input comes back marked replicated)."""
-    return call_spec.call_key(args, kwargs, self._sharding_of)
+  # -- the full path
 
-  def learn(self, key: Optional[Hashable], leaves: Sequence[Any], result: Any,
-            calls: Sequence[Tuple[tuple, tuple]]) -> None:
-    """Updates the fast path from a full call of `key` (see key_of),
-    accepted by dynamo's guards, that called the graph as `calls` show."""
-    if self.disabled_reason is not None or len(calls) != 1:
+  def _full_call(self, args: tuple, kwargs: Dict[str, Any],
+                 key: Optional[Hashable], leaves: Sequence[Any]) -> Any:
+    # What learning is checked against, read before the guards run.
+    generation = module_watch.generation
+    global_states = _global_states()
+    compiled = self._compiled
+    if not compiled.guard_check(*args, **kwargs):
+      return self._retrace(args, kwargs)
+    if self._changed_behind is not None:
+      self._refuse_changed_behind()
+    with self._backend.observed_calls() as calls:
+      result = compiled.call_checked(*args, **kwargs)
+    if (self.disabled_reason is None and len(calls) == 1 and key is not None and
+        module_watch.installed):
+      self._learn(key, leaves, result, calls[0], generation, global_states)
+    return result
+
+  def _refuse_changed_behind(self) -> None:
+    """Raises BoundTensorChanged while a parameter or buffer the program
+    binds has another dtype, shape or strides behind the same object:
+    dynamo's guards accepted the call, and the program would be handed a
+    tensor it was not compiled for."""
+    check = self._changed_behind
+    if check.unchanged():
+      self._changed_behind = None
       return
-    if not module_watch.installed or key is None:
-      return
-    with torch.set_grad_enabled(not torch.is_grad_enabled()):
-      other_grad_mode = torch_internals.global_state_guard()
-    self._global_states = (torch_internals.global_state_guard(),
-                           other_grad_mode)
-    if self._generation != module_watch.generation:
-      self._runs.clear()
-      self._plan = None
-      # Submodules added since the last plan are watched from now on.
-      module_watch.watch(self._model)
-      self._generation = module_watch.generation
-    if key in self._runs:
-      return
-    try:
-      self._runs[key] = self._bound_run(key, leaves, result, calls[0])
-    except PlanError as e:
-      # Learned again from the next full call.
-      self._plan = None
-      if str(e) != self._last_plan_error:
-        self._last_plan_error = str(e)
+    raise BoundTensorChanged(
+        f'torch_xla_patches.serve: {check.describe(self._model)} of '
+        f'{type(self._model).__name__} changed behind its object (a `.data` '
+        'assignment or torch.utils.swap_tensors), which dynamo\'s guards do '
+        'not check; the compiled program cannot take it. Assign a new '
+        'tensor to the attribute (which serve() traces again) or serve() '
+        'the model again.')
+
+  def _retrace(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
+    """Serves a call the captured code does not apply to (another dtype, a
+    changed module, ...) as torch.compile would: dynamo traces it again."""
+    _increment_counter(COUNTER_RETRACE, 1)
+    with dynamo_bridge.execution_lock:
+      if self._retraced is None:
         logger.info(
-            'torch_xla_patches.serve: no fast path for calls of %s like this '
-            'one yet: %s',
-            type(self._model).__name__, e)
+            'torch_xla_patches.serve: dynamo\'s guards refused a call of %s '
+            '(%s); such calls are traced again with torch.compile (said '
+            'once)',
+            type(self._model).__name__,
+            self._compiled.guard_failure(*args, **kwargs))
+        self._retraced = torch.compile(self._model,
+                                       backend='openxla',
+                                       dynamic=True)
+    with torch.no_grad():
+      return self._retraced(*args, **kwargs)
 
-  def _bound_run(self, key: Hashable, leaves: Sequence[Any], result: Any,
-                 call: Tuple[tuple, tuple]) -> Callable[[Sequence[Any]], Any]:
+  # -- learning
+
+  def _learn(self, key: Hashable, leaves: Sequence[Any], result: Any,
+             call: Tuple[tuple, tuple], generation: int,
+             global_states: Tuple[Any, Any]) -> None:
+    """Learns the run of `key` from a full call, accepted by dynamo's
+    guards, that called the graph once as `call` shows; `generation` and
+    `global_states` were read before the guards ran."""
+    with dynamo_bridge.execution_lock:
+      if module_watch.generation != generation:
+        return
+      learned = self._learned
+      if learned.generation != generation:
+        # Submodules added since the last plan are watched from now on.
+        module_watch.watch(self._model)
+        learned = _Learned.NOTHING
+      if key in learned.runs:
+        return
+      try:
+        plan, bound_check = learned.plan, learned.bound_check
+        if plan is None:
+          plan = ArgumentPlan.of_call(
+              self._model, leaves, call[0],
+              self._backend.placeholder_values(len(call[0])))
+          bound_check = BoundTensorCheck(
+              [t for t in plan.bound if t is not None])
+        else:
+          plan.check(leaves, call[0])
+        run = self._make_run(plan, leaves, result, call)
+      except PlanError as e:
+        # Learned again from the next full call.
+        self._learned = _Learned.NOTHING
+        if str(e) != self._last_plan_error:
+          self._last_plan_error = str(e)
+          logger.info(
+              'torch_xla_patches.serve: no fast path for calls of %s like '
+              'this one yet: %s',
+              type(self._model).__name__, e)
+        return
+      runs = dict(learned.runs)
+      runs[key] = run
+      cap = config.max_signatures_per_graph
+      while cap > 0 and len(runs) > cap:
+        del runs[next(iter(runs))]
+      self._learned = _Learned(generation=generation,
+                               global_states=global_states,
+                               plan=plan,
+                               bound_check=bound_check,
+                               runs=runs)
+
+  def _make_run(self, plan: ArgumentPlan, leaves: Sequence[Any], result: Any,
+                call: Tuple[tuple, tuple]) -> '_Run':
     graph_args, graph_outputs = call
-    if self._plan is None:
-      self._plan = ArgumentPlan.of_call(
-          self._model, leaves, graph_args,
-          self._backend.placeholder_values(len(graph_args)))
-    else:
-      self._plan.check(leaves, graph_args)
     rebuild = output_map(result, graph_outputs, leaves)
-    plan = self._plan
     backend = self._backend
 
     def through_bridge(leaves: Sequence[Any]) -> Any:
@@ -499,16 +607,110 @@ class FastPath:
     if bound is None:
       return through_bridge
 
-    def direct(leaves: Sequence[Any]) -> Any:
+    def bound_run(leaves: Sequence[Any]) -> Any:
       try:
         outputs = bound(leaves)
-      except RuntimeError:
-        # Refused before running (see [Note: Bound programs]): the bridge
-        # syncs pending inputs or re-traces an evicted program; the next call
-        # of this key learns its program again from a full call.
+      except dynamo_bridge.RefusedBeforeRun:
         _increment_counter(COUNTER_BRIDGE_RECOVERY, 1)
-        self._runs.pop(key, None)
+        self._forget_run(bound_run)
         return through_bridge(leaves)
       return rebuild(outputs, leaves)
 
-    return direct
+    return bound_run
+
+  def _forget_run(self, run: '_Run') -> None:
+    with dynamo_bridge.execution_lock:
+      learned = self._learned
+      runs = {key: r for key, r in learned.runs.items() if r is not run}
+      if len(runs) != len(learned.runs):
+        self._learned = dataclasses.replace(learned, runs=runs)
+
+
+# A learned run: the call's leaves -> the user's result.
+_Run = Callable[[Sequence[Any]], Any]
+
+
+@dataclasses.dataclass
+class _Learned:
+  """What the fast path learned from full calls of one module generation
+  (see [Note: One served call]); replaced as a whole, except that a call may
+  swap the order of global_states.
+
+  Args:
+    generation: the module_watch generation of the full calls.
+    global_states: the global state guard of the last full call, and the
+      same with the other grad mode: served calls run without autograd in
+      either.
+    plan: where the graph's arguments come from.
+    bound_check: whether the plan's bound tensors keep their metadata.
+    runs: call key -> its run, oldest first.
+  """
+  generation: int
+  global_states: Tuple[Any, ...]
+  plan: Optional[ArgumentPlan]
+  bound_check: 'BoundTensorCheck'
+  runs: Dict[Hashable, _Run]
+
+
+class BoundTensorChanged(RuntimeError):
+  """A parameter or buffer a served program binds changed dtype, shape or
+  strides behind its Python object (see ServedCalls)."""
+
+
+def _metadata(tensors: Sequence[torch.Tensor]) -> List[tuple]:
+  return [(t.dtype, t.device, t.shape, t.stride()) for t in tensors]
+
+
+class BoundTensorCheck:
+  """Whether the tensors a plan binds (parameters and buffers) keep the
+  dtype, device, shape and strides they had: `.data` and `swap_tensors`
+  change them behind the same objects, where no hook sees it. Called on
+  every fast call: one C++ check of dynamo's tensor guards."""
+
+  def __init__(self, tensors: Sequence[torch.Tensor]):
+    self._tensors = list(tensors)
+    self._metadata = _metadata(self._tensors)
+    self._check = (torch_internals.tensor_metadata_check(self._tensors)
+                   if self._tensors else None)
+
+  def __call__(self) -> bool:
+    # The C++ check also compares dispatch keys, which depend on the
+    # calling thread's mode (inference_mode excludes autograd's): where it
+    # refuses, the metadata itself decides.
+    return (self._check is None or self._check(*self._tensors) or
+            self.unchanged())
+
+  def unchanged(self) -> bool:
+    return _metadata(self._tensors) == self._metadata
+
+  def describe(self, model: torch.nn.Module) -> str:
+    """The first changed tensor, by name, then and now."""
+    names = {
+        id(t): name for name, t in list(model.named_parameters()) +
+        list(model.named_buffers())
+    }
+    for tensor, then in zip(self._tensors, self._metadata):
+      if _metadata([tensor])[0] != then:
+        return (f'{names.get(id(tensor), "a bound tensor")} (compiled as '
+                f'{_describe(then[0], then[2])}, now '
+                f'{_describe(tensor.dtype, tensor.shape)})')
+    return 'a bound tensor'
+
+
+def _describe(dtype: torch.dtype, shape: torch.Size) -> str:
+  return f'{str(dtype).replace("torch.", "")}{list(shape)}'
+
+
+_Learned.NOTHING = _Learned(generation=-1,
+                            global_states=(),
+                            plan=None,
+                            bound_check=BoundTensorCheck(()),
+                            runs={})
+
+
+def _global_states() -> Tuple[Any, Any]:
+  """The global state guard of this thread now, and the same with the other
+  grad mode."""
+  with torch.set_grad_enabled(not torch.is_grad_enabled()):
+    other_grad_mode = torch_internals.global_state_guard()
+  return torch_internals.global_state_guard(), other_grad_mode

@@ -167,8 +167,9 @@ class ServedModel:
 
   A call takes the fast path (see [Note: Served fast path]) when it can, and
   otherwise the full path: the captured code with dynamo's guards, or, where
-  those refuse the call, a re-trace with torch.compile. Calls run without
-  autograd whatever the grad mode.
+  those refuse the call, a re-trace with torch.compile (see [Note: One
+  served call]). Calls run without autograd whatever the grad mode, from any
+  number of threads.
 
   Args:
     compiled: the compiled callable (an aot_compile'd CompiledModel, or a
@@ -186,46 +187,15 @@ class ServedModel:
     self.model = model
     self.artifact = artifact
     self.loaded = loaded
-    self.fast_path = (fast_dispatch.FastPath(compiled, model) if isinstance(
+    # Every call of a captured model (None for a torch.compile'd one).
+    self.calls = (fast_dispatch.ServedCalls(compiled, model) if isinstance(
         compiled, serialization.CompiledModel) else None)
-    self._retraced = None
 
   def __call__(self, *args, **kwargs):
-    fast_path = self.fast_path
-    if fast_path is not None:
-      result = fast_path.run(args, kwargs)
-      if result is not fast_dispatch.NOT_RUN:
-        return result
-    return self._full_call(args, kwargs)
-
-  def _full_call(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
-    compiled = self.compiled
-    if self.fast_path is None:
-      with torch.no_grad():
-        return compiled(*args, **kwargs)
-    if not compiled.guard_check(*args, **kwargs):
-      return self._retrace(args, kwargs)
-    key, leaves = self.fast_path.key_of(args, kwargs)
-    with compiled.backend_callable.observed_calls() as calls:
-      result = compiled.call_checked(*args, **kwargs)
-    self.fast_path.learn(key, leaves, result, calls)
-    return result
-
-  def _retrace(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
-    """Serves a call the captured code does not apply to (another dtype, a
-    changed module, ...) as torch.compile would: dynamo traces it again."""
-    fast_dispatch.count_retrace()
-    if self._retraced is None:
-      logger.info(
-          'torch_xla_patches.serve: dynamo\'s guards refused a call of %s '
-          '(%s); such calls are traced again with torch.compile (said once)',
-          type(self.model).__name__,
-          self.compiled.guard_failure(*args, **kwargs))
-      self._retraced = torch.compile(self.model,
-                                     backend='openxla',
-                                     dynamic=True)
+    if self.calls is not None:
+      return self.calls(args, kwargs)
     with torch.no_grad():
-      return self._retraced(*args, **kwargs)
+      return self.compiled(*args, **kwargs)
 
 
 def _compile_buckets(

@@ -278,6 +278,19 @@ def global_state_guard() -> Any:
   return _attribute('torch._C._dynamo.guards', 'GlobalStateGuard')()
 
 
+def tensor_metadata_check(tensors: Sequence[Any]) -> Callable[..., bool]:
+  """A function of tensors, True while each still has the dtype, device,
+  sizes, strides, dispatch keys and requires_grad `tensors` have now (what
+  dynamo's tensor guards check), in one C++ call: `check(*tensors)`. A
+  `.data` assignment or `torch.utils.swap_tensors` changes the tensor behind
+  the same Python object without any hook seeing it."""
+  guards = _attribute('torch._C._dynamo.guards', 'TensorGuards')(
+      *tensors,
+      dynamic_dims_sizes=[list(t.shape) for t in tensors],
+      dynamic_dims_strides=[list(t.stride()) for t in tensors])
+  return guards.check
+
+
 def torch_function_mode_depth() -> Callable[[], int]:
   """The function telling how many torch-function modes are active."""
   return _attribute('torch._C', '_len_torch_function_stack')
