@@ -8,7 +8,9 @@ is `_run_cached_graph` alone with inputs prepared beforehand (what any bridge
 must pay); "bridge only" calls the bridge's callable directly with the
 arguments dynamo passes it, without dynamo's own wrapper. The serve() row
 calls what torch_xla_patches.serve() returns (its fast path, see [Note:
-Served fast path]); its floor is its own program's, run the same way.
+Served fast path]); its floor is its own program's, run the same way, with
+the buckets in rotation as a server's traffic calls them and with one bucket
+called over and over.
 
   python tools/bench_dispatch.py [--calls 400] [--rounds 7] [--json out.json]
 """
@@ -218,6 +220,10 @@ def main(argv=None):
                        []).append(time_calls(served, served_inputs, args.calls))
     samples.setdefault('serve() floor', []).append(
         time_calls(run_cached_graph, served_floor_sets, args.calls))
+    samples.setdefault('serve() call, one bucket', []).append(
+        time_calls(served, served_inputs[:1], args.calls))
+    samples.setdefault('serve() floor, one bucket', []).append(
+        time_calls(run_cached_graph, served_floor_sets[:1], args.calls))
 
   torch_xla_patches.revert()
 
@@ -233,6 +239,8 @@ def main(argv=None):
       ('floor: _run_cached_graph with prepared inputs', 'floor'),
       ('serve() call (its fast path)', 'serve() call'),
       ('floor of serve()\'s program', 'serve() floor'),
+      ('serve() call, one bucket over and over', 'serve() call, one bucket'),
+      ('floor of that bucket\'s program', 'serve() floor, one bucket'),
   ]
   host = {key: median_of(key, 'host_us') for _, key in labels}
   wall = {key: median_of(key, 'wall_us') for _, key in labels}
@@ -263,14 +271,19 @@ def main(argv=None):
       f'{host["patched torch.compile call"] / host["upstream torch.compile call"]:.2f} | '
       f'{wall["patched torch.compile call"] / wall["upstream torch.compile call"]:.2f} |'
   )
-  print(f'| serve() call / its floor | '
+  print(f'| serve() call / its floor, buckets in rotation | '
         f'{host["serve() call"] / host["serve() floor"]:.2f} | '
         f'{wall["serve() call"] / wall["serve() floor"]:.2f} |')
+  print(
+      f'| serve() call / its floor, one bucket | '
+      f'{host["serve() call, one bucket"] / host["serve() floor, one bucket"]:.2f} | '
+      f'{wall["serve() call, one bucket"] / wall["serve() floor, one bucket"]:.2f} |'
+  )
   print(f'| patched torch.compile call / floor | '
         f'{host["patched torch.compile call"] / host["floor"]:.2f} | '
         f'{wall["patched torch.compile call"] / wall["floor"]:.2f} |')
-  print(f'\nserve(): {served.fast_path.fast_calls} of '
-        f'{served.fast_path.fast_calls + served_full_calls(served)} calls took '
+  print(f'\nserve(): {served.calls.fast_calls} of '
+        f'{served.calls.fast_calls + served_full_calls(served)} calls took '
         'the fast path.')
   if args.json:
     with open(args.json, 'w') as f:
