@@ -292,3 +292,16 @@ def test_learned_runs_are_bounded(patched_bridge, monkeypatch):
   for batch in (4, 6, 5, 4, 6, 5):
     check(served, cpu, torch.randn(batch, WIDTH))
   assert served.calls.learned_keys() <= 2
+
+
+@needs_fast_path
+def test_the_bound_tensor_check_can_be_turned_off(patched_bridge, monkeypatch):
+  monkeypatch.setattr(config, 'serve_check_bound_tensors', False)
+  cpu, model, served = served_scaled()
+  check(served, cpu, torch.randn(4, WIDTH))
+  fast = served.calls.fast_calls
+  # Unseen, as by torch.compile: the program runs the reshaped buffer, of
+  # the same size in bytes, as the one it was compiled for.
+  model.scale.data = model.scale.data.reshape(1, WIDTH)
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert served.calls.fast_calls == fast + 1

@@ -7,7 +7,8 @@ replaces a Parameter of the model, and all go on after a second barrier
 (no call in flight during the swap). Every result is compared with eager
 CPU afterwards, against the model's parameters of its phase.
 
-Modes (one process each, since apply() is process-wide):
+Modes (one process per mode and thread count: apply() is process-wide, and
+a later run would find the new shapes compiled by an earlier one):
   eager      the model called directly on the XLA device (lazy tensors)
   upstream   torch.compile(backend='openxla', dynamic=True), no patch
   patched    the same with torch_xla_patches.apply()
@@ -251,25 +252,27 @@ def main() -> int:
     return child_main(args)
   rows = []
   for mode in args.modes.split(','):
-    command = [
-        sys.executable, __file__, '--child', mode, '--threads', ','.join(
-            map(str, args.threads)), '--requests',
-        str(args.requests), '--new-shapes',
-        str(args.new_shapes), '--seed',
-        str(args.seed)
-    ] + (['--swap'] if args.swap else [])
-    done = subprocess.run(command, capture_output=True, text=True)
-    found = [
-        line for line in done.stdout.splitlines() if line.startswith('RESULTS ')
-    ]
-    if done.returncode != 0 or not found:
-      print(f'{mode}: the run failed (exit {done.returncode})\n'
-            f'{done.stderr[-3000:]}')
-      continue
-    rows.extend(json.loads(found[-1][len('RESULTS '):]))
-    for row in rows:
-      if row['mode'] == mode and row['errors']:
-        print(f"{mode}, {row['threads']} threads: {row['errors']}")
+    for threads in args.threads:
+      command = [
+          sys.executable, __file__, '--child', mode, '--threads',
+          str(threads), '--requests',
+          str(args.requests), '--new-shapes',
+          str(args.new_shapes), '--seed',
+          str(args.seed)
+      ] + (['--swap'] if args.swap else [])
+      done = subprocess.run(command, capture_output=True, text=True)
+      found = [
+          line for line in done.stdout.splitlines()
+          if line.startswith('RESULTS ')
+      ]
+      if done.returncode != 0 or not found:
+        print(f'{mode}, {threads} threads: the run failed (exit '
+              f'{done.returncode})\n{done.stderr[-3000:]}')
+        continue
+      row, = json.loads(found[-1][len('RESULTS '):])
+      rows.append(row)
+      if row['errors']:
+        print(f'{mode}, {threads} threads: {row["errors"]}')
   print(table(rows))
   if args.json:
     with open(args.json, 'w') as f:

@@ -31,6 +31,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 
 import torch_xla_patches
+from torch_xla_patches import config
 
 MODEL_SOURCE = '''
 import torch
@@ -222,6 +223,10 @@ def main(argv=None):
         time_calls(run_cached_graph, served_floor_sets, args.calls))
     samples.setdefault('serve() call, one bucket', []).append(
         time_calls(served, served_inputs[:1], args.calls))
+    config.serve_check_bound_tensors = False
+    samples.setdefault('serve() call, no bound-tensor check',
+                       []).append(time_calls(served, served_inputs, args.calls))
+    config.serve_check_bound_tensors = True
     samples.setdefault('serve() floor, one bucket', []).append(
         time_calls(run_cached_graph, served_floor_sets[:1], args.calls))
 
@@ -241,6 +246,8 @@ def main(argv=None):
       ('floor of serve()\'s program', 'serve() floor'),
       ('serve() call, one bucket over and over', 'serve() call, one bucket'),
       ('floor of that bucket\'s program', 'serve() floor, one bucket'),
+      ('serve() call, buckets in rotation, XLA_PATCHES_SERVE_CHECK_TENSORS=0',
+       'serve() call, no bound-tensor check'),
   ]
   host = {key: median_of(key, 'host_us') for _, key in labels}
   wall = {key: median_of(key, 'wall_us') for _, key in labels}
@@ -278,6 +285,11 @@ def main(argv=None):
       f'| serve() call / its floor, one bucket | '
       f'{host["serve() call, one bucket"] / host["serve() floor, one bucket"]:.2f} | '
       f'{wall["serve() call, one bucket"] / wall["serve() floor, one bucket"]:.2f} |'
+  )
+  print(
+      f'| serve() call / its floor, in rotation, no bound-tensor check | '
+      f'{host["serve() call, no bound-tensor check"] / host["serve() floor"]:.2f} | '
+      f'{wall["serve() call, no bound-tensor check"] / wall["serve() floor"]:.2f} |'
   )
   print(f'| patched torch.compile call / floor | '
         f'{host["patched torch.compile call"] / host["floor"]:.2f} | '

@@ -453,7 +453,7 @@ class ServedCalls:
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._forget(learned)
       return None
-    if not learned.bound_check():
+    if config.serve_check_bound_tensors and not learned.bound_check():
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._changed_behind = learned.bound_check
       self._forget(learned)
