@@ -31,12 +31,43 @@ def counter(name):
 # -- many threads at once: every result equal to eager, none raised
 
 
+def dynamo_config_now():
+  return {
+      name: getattr(torch._dynamo.config, name)
+      for name in ('assume_static_by_default', 'automatic_dynamic_shapes')
+  }
+
+
+def test_overlapping_dynamic_calls_restore_dynamo_config(patched_bridge):
+  # What two threads' calls of a dynamic=True and a dynamic=False model do,
+  # interleaved: each call's change is in place while it runs, and the
+  # config comes back whole when the last returns, whatever the order.
+  from torch._dynamo import eval_frame
+  before = dynamo_config_now()
+  dynamic, static = (eval_frame.make_set_enable_dynamic(True),
+                     eval_frame.make_set_enable_dynamic(False))
+  leave_dynamic = dynamic()
+  assert not torch._dynamo.config.assume_static_by_default
+  leave_static = static()
+  assert dynamo_config_now() == {
+      'assume_static_by_default': True,
+      'automatic_dynamic_shapes': False
+  }
+  leave_dynamic()
+  again = dynamic()
+  leave_static()
+  assert not torch._dynamo.config.assume_static_by_default
+  again()
+  assert dynamo_config_now() == before
+
+
 @pytest.mark.parametrize('seed', [0, 1, 2])
 @pytest.mark.parametrize('mode', ['serve', 'patched'])
 def test_eight_threads_with_new_shapes_and_a_parameter_swap(
     patched_bridge, mode, seed):
   # 8 threads x 150 calls over random buckets, a share of new shapes, and a
   # Parameter swapped halfway between two barriers (no call in flight).
+  dynamo_config = dynamo_config_now()
   report = bench_concurrency.run(mode,
                                  threads=8,
                                  requests=150,
@@ -44,6 +75,9 @@ def test_eight_threads_with_new_shapes_and_a_parameter_swap(
                                  swap=True,
                                  seed=seed)
   assert report['errors'] == {}
+  # torch.compile(dynamic=True) calls from 8 threads left dynamo's config as
+  # they found it (see [Note: dynamo's config from many threads]).
+  assert dynamo_config_now() == dynamo_config
   assert report['mismatches'] == 0
   # Each new shape was traced and compiled exactly once, however many
   # threads asked for it first at once.

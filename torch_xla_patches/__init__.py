@@ -112,6 +112,13 @@ def apply(*,
         backend_module, 'xla_backend_helper',
         dynamo_bridge.record_mutated_inputs(
             _registry.original(backend_module, 'xla_backend_helper')))
+    # torch.compile(dynamic=...) from many threads (see [Note: dynamo's
+    # config from many threads]).
+    eval_frame = torch_internals.dynamo_eval_frame_module()
+    _registry.set(
+        eval_frame, 'make_set_enable_dynamic',
+        torch_internals.shared_dynamic_config(
+            _registry.original(eval_frame, 'make_set_enable_dynamic')))
     if config.automatic_dynamic_shapes:
       _registry.set(dynamo_config, 'automatic_dynamic_shapes', True)
     if not config.cpp_symbolic_shape_guards:

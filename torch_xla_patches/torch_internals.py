@@ -19,6 +19,7 @@ package but `versions`.
 import contextlib
 import functools
 import importlib
+import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 from torch_xla_patches import versions
@@ -129,6 +130,69 @@ def aot_guard_failure(aot_fn: Any, *args, **kwargs) -> str:
   bind_locals = _attribute('torch._dynamo.aot_compile', 'bind_locals')
   f_locals = bind_locals(artifacts.signature, *args, **kwargs)
   return str(artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)
+
+
+def dynamo_eval_frame_module() -> Any:
+  """torch._dynamo.eval_frame, whose make_set_enable_dynamic gives each
+  torch.compile(dynamic=...) the change of dynamo's config its calls make."""
+  module = importlib.import_module('torch._dynamo.eval_frame')
+  if not callable(getattr(module, 'make_set_enable_dynamic', None)):
+    raise _missing('torch._dynamo.eval_frame.make_set_enable_dynamic')
+  return module
+
+
+# [Note: dynamo's config from many threads]
+# torch.compile(dynamic=True) sets dynamo's process-wide config
+# (assume_static_by_default=False) on every call and puts back what it found
+# when the call returns. Calls on several threads interleave those steps: a
+# call that started while another's change was in place puts that change
+# back last, and it stays for the rest of the process (measured: 8 threads
+# over a dynamic=True model leave assume_static_by_default False, so every
+# later torch.compile of the process starts dynamic). Under apply() the
+# change is shared instead: the first call in flight saves the config, every
+# call makes its change, and the last one to return restores what the first
+# change of each kind (dynamic True or False) found, the later kind first.
+# At most two restores are held, however long calls keep overlapping. While
+# calls of dynamic=True and dynamic=False models overlap the config is the
+# latest call's, as it is for nested calls on one thread.
+_shared_config_lock = threading.Lock()
+_shared_config_calls = 0
+# enable -> the restore of its first change while calls are in flight, in
+# the order made.
+_shared_config_restore: Dict[bool, Callable[[], None]] = {}
+
+
+def shared_dynamic_config(
+    make_set_enable_dynamic: Callable[[bool], Callable[[], Callable[[], None]]]
+) -> Callable[[bool], Callable[[], Callable[[], None]]]:
+  """Wraps torch's make_set_enable_dynamic so that calls on many threads
+  leave dynamo's config as they found it (see [Note: dynamo's config from
+  many threads])."""
+
+  def make_shared(enable: bool) -> Callable[[], Callable[[], None]]:
+    change = make_set_enable_dynamic(enable)
+
+    def enter() -> Callable[[], None]:
+      global _shared_config_calls
+      with _shared_config_lock:
+        revert = change()
+        _shared_config_restore.setdefault(enable, revert)
+        _shared_config_calls += 1
+
+      def leave() -> None:
+        global _shared_config_calls
+        with _shared_config_lock:
+          _shared_config_calls -= 1
+          if _shared_config_calls == 0:
+            for restore in reversed(list(_shared_config_restore.values())):
+              restore()
+            _shared_config_restore.clear()
+
+      return leave
+
+    return enter
+
+  return make_shared
 
 
 def xla_backend_module() -> Any:
