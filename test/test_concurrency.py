@@ -31,6 +31,15 @@ def counter(name):
 # -- many threads at once: every result equal to eager, none raised
 
 
+def eight_threads(mode, **load):
+  """bench_concurrency.run on 8 threads; no call raised, every result equal
+  to eager."""
+  report = bench_concurrency.run(mode, threads=8, **load)
+  assert report['errors'] == {}
+  assert report['mismatches'] == 0
+  return report
+
+
 def dynamo_config_now():
   return {
       name: getattr(torch._dynamo.config, name)
@@ -68,17 +77,14 @@ def test_eight_threads_with_new_shapes_and_a_parameter_swap(
   # 8 threads x 150 calls over random buckets, a share of new shapes, and a
   # Parameter swapped halfway between two barriers (no call in flight).
   dynamo_config = dynamo_config_now()
-  report = bench_concurrency.run(mode,
-                                 threads=8,
-                                 requests=150,
-                                 new_shapes=0.05,
-                                 swap=True,
-                                 seed=seed)
-  assert report['errors'] == {}
+  report = eight_threads(mode,
+                         requests=150,
+                         new_shapes=0.05,
+                         swap=True,
+                         seed=seed)
   # torch.compile(dynamic=True) calls from 8 threads left dynamo's config as
   # they found it (see [Note: dynamo's config from many threads]).
   assert dynamo_config_now() == dynamo_config
-  assert report['mismatches'] == 0
   # Each new shape was traced and compiled exactly once, however many
   # threads asked for it first at once.
   assert report['new_shapes_sent'] > 0
@@ -93,14 +99,11 @@ needs_fast_path = pytest.mark.requires('torch_aot_compile')
 
 @needs_fast_path
 def test_eight_threads_learn_again_after_a_parameter_swap(patched_bridge):
-  report = bench_concurrency.run('serve',
-                                 threads=8,
-                                 requests=150,
-                                 new_shapes=0.05,
-                                 swap=True,
-                                 seed=4)
-  assert report['errors'] == {}
-  assert report['mismatches'] == 0
+  report = eight_threads('serve',
+                         requests=150,
+                         new_shapes=0.05,
+                         swap=True,
+                         seed=4)
   # The swap sent one call to the full path: it dropped what was learned.
   # The next full call of each key learned again; only the calls that found
   # nothing learned yet took the full path (counted as no plan or a new
@@ -116,14 +119,7 @@ def test_eight_threads_over_a_signature_cap(patched_bridge, monkeypatch):
   # More signatures than the cap: entries are dropped and traced again while
   # other threads look theirs up and run bound programs.
   monkeypatch.setattr(config, 'max_signatures_per_graph', 3)
-  report = bench_concurrency.run('serve',
-                                 threads=8,
-                                 requests=100,
-                                 new_shapes=0.2,
-                                 swap=False,
-                                 seed=3)
-  assert report['errors'] == {}
-  assert report['mismatches'] == 0
+  eight_threads('serve', requests=100, new_shapes=0.2, swap=False, seed=3)
   assert counter(dynamo_bridge.COUNTER_DROPPED) > 0
 
 

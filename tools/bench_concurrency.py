@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Dict, List, Optional
 
 os.environ.setdefault('PJRT_DEVICE', 'CPU')
@@ -115,6 +116,8 @@ def run(mode: str, threads: int, requests: int, new_shapes: float, swap: bool,
   swap_barriers = (threading.Barrier(threads), threading.Barrier(threads))
   latencies: List[float] = []
   errors: collections.Counter = collections.Counter()
+  # The traceback of the first error of each kind.
+  where: Dict[str, str] = {}
   records: List[tuple] = []  # (phase, input, output)
   new_shapes_sent = set()
   lock = threading.Lock()
@@ -145,8 +148,10 @@ def run(mode: str, threads: int, requests: int, new_shapes: float, swap: bool,
         with torch.no_grad():
           y = compiled(x.to(device)).cpu()
       except Exception as e:  # pylint: disable=broad-except
+        kind = f'{type(e).__name__}: {str(e).splitlines()[0][:90]}'
         with lock:
-          errors[f'{type(e).__name__}: {str(e).splitlines()[0][:90]}'] += 1
+          errors[kind] += 1
+          where.setdefault(kind, ''.join(traceback.format_tb(e.__traceback__)))
         continue
       mine_latency.append(time.perf_counter() - begin)
       mine_records.append((phase, x, y))
@@ -187,6 +192,7 @@ def run(mode: str, threads: int, requests: int, new_shapes: float, swap: bool,
            if latencies else None),
       'raised': sum(errors.values()),
       'errors': dict(errors),
+      'tracebacks': where,
       'mismatches': mismatches,
       'new_shapes_sent': len(new_shapes_sent),
       'fallbacks': {

@@ -93,11 +93,15 @@ logger = logging.getLogger('torch_xla_patches.bridge')
 # anyway, and the host work under the lock is that of a single-threaded
 # call. The lock is never taken while dynamo traces (nothing here runs under
 # dynamo's compile lock), so the two cannot deadlock. Other threads build
-# lazy IR without the lock (a request's inputs) at any time, so nothing here
-# drops pending IR it did not make: a trace restores the arguments it
-# updated (pending_ir_restored) and its own outputs die with their
-# references; a sync before a trace or a donating run materializes other
-# threads' pending tensors, which only runs their IR early.
+# lazy IR without the lock (a request's inputs) at any time, and torch_xla's
+# sync of every live tensor (torch_xla.sync()) races with them (measured:
+# "Check failed: data()->tensor_data" reading the shape of a tensor another
+# thread had just moved to the device). So nothing here syncs the device
+# before a trace or drops pending IR it did not make: a trace materializes
+# its own arguments only, restores those it updated (pending_ir_restored),
+# and its outputs die with their references. A donating run still syncs
+# the device's pending IR, which may read the buffer it takes over (see
+# [Note: Donating in-place updates]).
 execution_lock = threading.RLock()
 
 
@@ -676,8 +680,9 @@ def prepare_donating_run(entry: CompiledGraphEntry,
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                          layout: ArgLayout) -> CompiledGraphEntry:
   """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
-  # Don't reset the scope as we might be under some profiler trace scope.
-  torch_xla.sync(reset_scope=False)
+  # The arguments enter the graph as device data (see [Note: Threads]: not a
+  # sync of every live tensor, which races with other threads' tensors).
+  _materialize([args[i] for i in layout.tensor_positions])
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
@@ -711,25 +716,23 @@ class CompileWindow:
   with config.compile_workers > 1 traces each signature on the calling
   thread, under the GIL, and compiles it on a pool of that many threads
   (`_xla_warm_up_cache` releases the GIL while XLA compiles). A serial trace
-  starts with torch_xla.sync(), which executes the pending IR of every live
-  tensor, and ends by restoring the arguments it updated: either would break
-  a graph whose outputs a worker is compiling. So, while any compile is in
-  flight, a trace here
-    - syncs nothing: if an argument has pending IR, it first waits for every
-      compile in flight and syncs as the serial path does; otherwise it only
-      advances the RNG seed as the sync would have (each trace starts from
-      the seed a serial trace would start from, so the same programs and
-      the same random streams come out);
-    - clears nothing: a trace that leaves an argument with pending IR (an
-      in-place update) waits for every compile in flight, compiles on the
-      calling thread and restores the arguments as the serial path does;
-      otherwise its lazy clones and intermediate tensors die with their
-      references, and the graph's outputs once their compile is done
-      (`_compile_on_worker` drops them even when the compile raises);
+  starts by materializing its arguments' pending IR and ends by restoring
+  the arguments it updated: either would break a graph whose outputs a
+  worker is compiling, if they met. So, while any compile is in flight, a
+  trace here
+    - materializes arguments only after waiting for every compile in flight,
+      and only if one has pending IR;
+    - restores only after waiting: a trace that leaves an argument with
+      pending IR (an in-place update) waits for every compile in flight,
+      compiles on the calling thread and restores the arguments as the
+      serial path does; otherwise its lazy clones and intermediate tensors
+      die with their references, and the graph's outputs once their compile
+      is done (`_compile_on_worker` drops them even when the compile raises);
     - hands the worker only the graph outputs that have pending IR: an output
       that is device data (an unchanged argument) would be written to by the
       worker's sync (its data's info) while the main thread reads it.
-  With nothing in flight a trace syncs, as a serial trace does. Buffer-donor
+  Neither path syncs the device or touches the RNG state, so both give the
+  same programs and random streams. Buffer-donor
   aliasing is on for the whole window (it only changes warm-up compiles and
   graph hashes; a sync donates the same buffers either way). The window
   ends when every compile is done. Entries are added, counted and recorded
@@ -743,8 +746,6 @@ class CompileWindow:
     self._pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=workers, thread_name_prefix='xla-compile')
     self._in_flight: List[concurrent.futures.Future] = []
-    # The seed the last sync, real or advanced here, left.
-    self._seed = 0
 
   def _busy(self) -> bool:
     self._in_flight = [f for f in self._in_flight if not f.done()]
@@ -760,14 +761,7 @@ class CompileWindow:
     if self._busy() and True in (
         torch_xla._XLAC._check_tensor_need_materialization(tensors)):
       self.wait()
-    if self._busy():
-      # The seed torch_xla.sync() would leave (one mark step), with nothing
-      # executed.
-      self._seed = (1012031 + self._seed * 7012063) % (1 << 64)
-      xm.set_rng_state(self._seed)
-    else:
-      torch_xla.sync(reset_scope=False)
-      self._seed = torch_xla._XLAC._xla_get_rng_seed()
+    _materialize(tensors)
 
   def trace(
       self, xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -1334,15 +1328,23 @@ def run_program(graph_hash: Any, inputs: List[Any]) -> List[torch.Tensor]:
 
 
 def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
-  """Materializes the tensors that have pending IR, blocking."""
-  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-  if True in flags:
-    pending = [t for t, flag in zip(tensors, flags) if flag]
+  """Materializes the tensors that have pending IR, blocking; counted."""
+  if _materialize(tensors):
     _increment_counter('DynamoSyncInputExecuteTime', 1)
-    torch_xla._XLAC._xla_sync_multi(pending,
-                                    devices=[],
-                                    wait=True,
-                                    sync_xla_data=True)
+
+
+def _materialize(tensors: Sequence[torch.Tensor]) -> bool:
+  """Materializes those of `tensors` that have pending IR, blocking, and
+  nothing else; returns whether any had."""
+  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  if True not in flags:
+    return False
+  pending = [t for t, flag in zip(tensors, flags) if flag]
+  torch_xla._XLAC._xla_sync_multi(pending,
+                                  devices=[],
+                                  wait=True,
+                                  sync_xla_data=True)
+  return True
 
 
 def extract_internal(xla_model: torch.fx.GraphModule):
@@ -1584,11 +1586,12 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
     if isinstance(arg, torch.Tensor) and torch._is_functional_tensor(arg):
       torch._functionalize_sync(arg)
   _check_args(xla_args)
-  if any(
-      isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
-      for arg in xla_args):
-    # Materialize every live tensor so argument ids show up as graph inputs.
-    torch_xla.sync(reset_scope=False)
+  # Materialize the arguments so their ids show up as graph inputs (only
+  # them: see [Note: Threads]).
+  _materialize([
+      arg for arg in xla_args
+      if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
+  ])
   # Make CPU tensor constructors in the graph create XLA tensors.
   XLAConstructorMoverPass()(xla_model.graph)
 
