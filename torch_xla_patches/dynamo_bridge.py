@@ -297,6 +297,10 @@ def _restore(tensors: List[torch.Tensor], clones: List[torch.Tensor]) -> None:
   for tensor, clone, flag in zip(tensors, clones, flags):
     if flag:
       tensor.copy_(clone)
+      # A donor mark of the trace (see [Note: Donating in-place updates])
+      # would let the sync below hand the buffer over; a second trace marks
+      # again.
+      torch_xla._XLAC._set_buffer_donation(tensor, False)
   if updated:
     torch_xla._XLAC._xla_sync_multi(updated,
                                     devices=[],
@@ -643,7 +647,7 @@ def _with_donated(traced: TracedGraph, donated: Tuple[int, ...]) -> TracedGraph:
 def _sync_pending_readers() -> None:
   """Syncs the pending IR of the device before a donating run: it may read a
   buffer the run takes over (see [Note: Donating in-place updates])."""
-  torch_xla._XLAC._xla_sync_live_tensors(_device_name(), [], False)
+  torch_xla._XLAC._xla_sync_live_tensors(_device_name(), [], True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -658,6 +662,11 @@ def prepare_donating_run(entry: CompiledGraphEntry,
   """The arguments to run a donating entry with (see [Note: Donating
   in-place updates]): pending IR on the device synced, and a donated
   argument that shares its data with another argument copied."""
+  # The program's aliasing was fixed when it compiled. A donor mark the
+  # trace left on an argument would let the sync below hand the argument's
+  # buffer to a reader's computation instead.
+  for position in entry.donated_positions:
+    torch_xla._XLAC._set_buffer_donation(args[position], False)
   _sync_pending_readers()
   data_ids = {
       position: _data_id(args[position]) for position in entry.input_positions
@@ -682,7 +691,7 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
   # The arguments enter the graph as device data (see [Note: Threads]: not a
   # sync of every live tensor, which races with other threads' tensors).
-  _materialize([args[i] for i in layout.tensor_positions])
+  _sync_arguments([args[i] for i in layout.tensor_positions])
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
@@ -761,7 +770,7 @@ class CompileWindow:
     if self._busy() and True in (
         torch_xla._XLAC._check_tensor_need_materialization(tensors)):
       self.wait()
-    _materialize(tensors)
+    _sync_arguments(tensors)
 
   def trace(
       self, xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -1333,6 +1342,18 @@ def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
     _increment_counter('DynamoSyncInputExecuteTime', 1)
 
 
+def _sync_arguments(tensors: Sequence[torch.Tensor]) -> None:
+  """Before a trace: every argument becomes device data held by the tensor
+  itself, whether it has pending IR or its data sits in an IR node (a
+  tensor just moved to the device); nothing else is synced (see [Note:
+  Threads]). A tensor that is device data already costs nothing."""
+  if tensors:
+    torch_xla._XLAC._xla_sync_multi(list(tensors),
+                                    devices=[],
+                                    wait=True,
+                                    sync_xla_data=True)
+
+
 def _materialize(tensors: Sequence[torch.Tensor]) -> bool:
   """Materializes those of `tensors` that have pending IR, blocking, and
   nothing else; returns whether any had."""
@@ -1588,7 +1609,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   _check_args(xla_args)
   # Materialize the arguments so their ids show up as graph inputs (only
   # them: see [Note: Threads]).
-  _materialize([
+  _sync_arguments([
       arg for arg in xla_args
       if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
   ])
