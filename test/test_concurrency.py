@@ -55,6 +55,15 @@ def test_overlapping_dynamic_calls_restore_dynamo_config(patched_bridge):
   before = dynamo_config_now()
   dynamic, static = (eval_frame.make_set_enable_dynamic(True),
                      eval_frame.make_set_enable_dynamic(False))
+  # Two calls of one dynamic=True model: the first to return must not put
+  # back what it found while the other runs, nor the other what the first
+  # had set (torch's own order leaves assume_static_by_default False).
+  leave_first = dynamic()
+  leave_second = dynamic()
+  leave_first()
+  assert not torch._dynamo.config.assume_static_by_default
+  leave_second()
+  assert dynamo_config_now() == before
   leave_dynamic = dynamic()
   assert not torch._dynamo.config.assume_static_by_default
   leave_static = static()
@@ -237,6 +246,38 @@ def test_learning_ignores_a_call_during_which_a_module_changed(
 
 
 @needs_fast_path
+def test_two_threads_learning_at_once_both_learn(patched_bridge, monkeypatch):
+  cpu, _, served = served_scaled()
+  calls = served.calls
+  learned = calls.learned_keys()
+  make_run = calls._make_run
+  arrived = [threading.Event(), threading.Event()]
+
+  def make_run_beside_the_other(*args, **kwargs):
+    # Waits (up to a second) for the other thread to be learning too: with
+    # learning one transaction under the lock, it never is, and each learns
+    # in turn; otherwise both start from the same learned state and the
+    # later one drops the other's run.
+    me = 0 if threading.current_thread().name == 'first' else 1
+    arrived[me].set()
+    arrived[1 - me].wait(1.0)
+    return make_run(*args, **kwargs)
+
+  monkeypatch.setattr(calls, '_make_run', make_run_beside_the_other)
+  threads = [
+      threading.Thread(target=check,
+                       args=(served, cpu, torch.randn(batch, WIDTH)),
+                       name=name)
+      for batch, name in ((5, 'first'), (7, 'second'))
+  ]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert calls.learned_keys() == learned + 2
+
+
+@needs_fast_path
 def test_observed_graph_calls_are_the_calling_threads(patched_bridge):
   _, _, served = served_scaled()
   backend = served.compiled.backend_callable
@@ -251,6 +292,10 @@ def test_observed_graph_calls_are_the_calling_threads(patched_bridge):
 def test_a_trace_keeps_other_threads_pending_tensors(patched_bridge,
                                                      monkeypatch):
   _, _, served = served_scaled()
+  # Another thread's lazy tensor, made before this one's call: a trace syncs
+  # only its own arguments (a sync of every live tensor races with other
+  # threads' tensors, see [Note: Threads]), so it stays pending.
+  earlier = torch.ones(3, device=torch_xla.device()) * 3
   pending = []
   trace_graph = dynamo_bridge._trace_graph
 
@@ -267,8 +312,12 @@ def test_a_trace_keeps_other_threads_pending_tensors(patched_bridge,
   misses = counter(dynamo_bridge.COUNTER_MISS)
   served(xla(torch.randn(7, WIDTH)))
   assert counter(dynamo_bridge.COUNTER_MISS) == misses + 1
-  assert torch_xla._XLAC._check_tensor_need_materialization(pending) == [True]
+  assert torch_xla._XLAC._check_tensor_need_materialization([earlier] +
+                                                            pending) == [
+                                                                True, True
+                                                            ]
   torch.testing.assert_close(pending[0].cpu(), torch.full((3,), 2.0))
+  torch.testing.assert_close(earlier.cpu(), torch.full((3,), 3.0))
 
 
 # -- what the fast path checks of bound tensors
