@@ -47,7 +47,6 @@ call to find such a change.
 """
 import dataclasses
 import dis
-import functools
 import itertools
 import logging
 import operator
