@@ -33,7 +33,7 @@ import hashlib
 import logging
 import os
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -298,9 +298,12 @@ def check(path: str, model: Any) -> ArtifactHeader:
   return header
 
 
-def load(path: str,
-         model: Any = None,
-         precompile: bool = True) -> CompiledModel:
+def load(
+    path: str,
+    model: Any = None,
+    precompile: bool = True,
+    check_header: Optional[Callable[[ArtifactHeader], None]] = None
+) -> CompiledModel:
   """Loads an artifact written by `save`; see [Note: Artifact safety].
 
   Args:
@@ -310,6 +313,9 @@ def load(path: str,
     precompile: warm up now: one call on zeros of the saved example shape,
       which compiles every recorded signature (see [Note: Precompile on
       load]). Otherwise the first call does it.
+    check_header: called with the file's header once it is checked, before
+      anything is unpickled; what it raises, load raises (serve() compares
+      its ServeKey there, so the file is read once).
   Raises:
     ArtifactCorruptError, ArtifactMismatchError.
   """
@@ -318,6 +324,8 @@ def load(path: str,
     raise TypeError('torch_xla_patches.load needs model=: the saved graph '
                     'takes the parameters, or the function, from it')
   header, payload = _read_checked(os.fspath(path), model)
+  if check_header is not None:
+    check_header(header)
   try:
     aot_fn = artifact.deserialize_aot(payload)
   except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:

@@ -240,18 +240,29 @@ def _refused_bucket(compiled: serialization.CompiledModel,
   return None
 
 
+class _KeyDiffers(Exception):
+  """An artifact of another ServeKey (the message names the parts)."""
+
+
 def _load(path: str, model: torch.nn.Module, key: ServeKey,
           buckets: Sequence[CallSpec]) -> Tuple[Optional[Any], str]:
   """(the loaded artifact, '') if it serves the buckets, else (None, why
   not)."""
   if not os.path.lexists(path):
     return None, _why_not_found(path, model, key)
-  try:
-    header = serialization.check(path, model)
+
+  def same_key(header: artifact.ArtifactHeader) -> None:
     differences = key.differences(header.serve_key)
     if differences:
-      return None, f'{path} differs in ' + ' | '.join(differences)
-    compiled = serialization.load(path, model=model, precompile=False)
+      raise _KeyDiffers(f'{path} differs in ' + ' | '.join(differences))
+
+  try:
+    compiled = serialization.load(path,
+                                  model=model,
+                                  precompile=False,
+                                  check_header=same_key)
+  except _KeyDiffers as e:
+    return None, str(e)
   except Exception as e:  # pylint: disable=broad-except
     # Whatever the file holds, it is a reason to trace, never a failure of
     # serve() (see [Note: Serving restarts]).
