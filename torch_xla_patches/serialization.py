@@ -290,14 +290,6 @@ def _read_checked(path: str, model: Any) -> Tuple[ArtifactHeader, bytes]:
   return header, payload
 
 
-def check(path: str, model: Any) -> ArtifactHeader:
-  """Raises what `load(path, model=model)` would raise for the file's header
-  (ArtifactCorruptError, ArtifactMismatchError naming what differs), without
-  unpickling anything; returns the header."""
-  header, _ = _read_checked(os.fspath(path), model)
-  return header
-
-
 def load(
     path: str,
     model: Any = None,
