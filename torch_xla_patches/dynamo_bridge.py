@@ -293,19 +293,14 @@ def _restore(tensors: List[torch.Tensor], clones: List[torch.Tensor]) -> None:
   copy leaves the tensor's IR a read of its old device data; the sync of
   those tensors alone makes them that device data again, and runs nothing."""
   flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-  updated = [tensor for tensor, flag in zip(tensors, flags) if flag]
-  for tensor, clone, flag in zip(tensors, clones, flags):
-    if flag:
-      tensor.copy_(clone)
-      # A donor mark of the trace (see [Note: Donating in-place updates])
-      # would let the sync below hand the buffer over; a second trace marks
-      # again.
-      torch_xla._XLAC._set_buffer_donation(tensor, False)
-  if updated:
-    torch_xla._XLAC._xla_sync_multi(updated,
-                                    devices=[],
-                                    wait=True,
-                                    sync_xla_data=True)
+  updated = [(t, c) for t, c, flag in zip(tensors, clones, flags) if flag]
+  for tensor, clone in updated:
+    tensor.copy_(clone)
+    # A donor mark of the trace (see [Note: Donating in-place updates])
+    # would let the sync below hand the buffer over; a second trace marks
+    # again.
+    torch_xla._XLAC._set_buffer_donation(tensor, False)
+  _sync_alone([tensor for tensor, _ in updated])
 
 
 def _restore_and_release(tensors: List[torch.Tensor],
@@ -691,7 +686,7 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
   # The arguments enter the graph as device data (see [Note: Threads]: not a
   # sync of every live tensor, which races with other threads' tensors).
-  _sync_arguments([args[i] for i in layout.tensor_positions])
+  _sync_alone([args[i] for i in layout.tensor_positions])
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
@@ -770,7 +765,7 @@ class CompileWindow:
     if self._busy() and True in (
         torch_xla._XLAC._check_tensor_need_materialization(tensors)):
       self.wait()
-    _sync_arguments(tensors)
+    _sync_alone(tensors)
 
   def trace(
       self, xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -1338,34 +1333,22 @@ def run_program(graph_hash: Any, inputs: List[Any]) -> List[torch.Tensor]:
 
 def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
   """Materializes the tensors that have pending IR, blocking; counted."""
-  if _materialize(tensors):
+  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  if True in flags:
     _increment_counter('DynamoSyncInputExecuteTime', 1)
+    _sync_alone([t for t, flag in zip(tensors, flags) if flag])
 
 
-def _sync_arguments(tensors: Sequence[torch.Tensor]) -> None:
-  """Before a trace: every argument becomes device data held by the tensor
-  itself, whether it has pending IR or its data sits in an IR node (a
-  tensor just moved to the device); nothing else is synced (see [Note:
-  Threads]). A tensor that is device data already costs nothing."""
+def _sync_alone(tensors: Sequence[torch.Tensor]) -> None:
+  """Syncs `tensors` and nothing else (see [Note: Threads]), blocking: each
+  becomes device data held by the tensor itself, whether it had pending IR
+  or its data sat in an IR node (a tensor just moved to the device); one
+  that is device data already costs nothing."""
   if tensors:
     torch_xla._XLAC._xla_sync_multi(list(tensors),
                                     devices=[],
                                     wait=True,
                                     sync_xla_data=True)
-
-
-def _materialize(tensors: Sequence[torch.Tensor]) -> bool:
-  """Materializes those of `tensors` that have pending IR, blocking, and
-  nothing else; returns whether any had."""
-  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-  if True not in flags:
-    return False
-  pending = [t for t, flag in zip(tensors, flags) if flag]
-  torch_xla._XLAC._xla_sync_multi(pending,
-                                  devices=[],
-                                  wait=True,
-                                  sync_xla_data=True)
-  return True
 
 
 def extract_internal(xla_model: torch.fx.GraphModule):
@@ -1609,7 +1592,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   _check_args(xla_args)
   # Materialize the arguments so their ids show up as graph inputs (only
   # them: see [Note: Threads]).
-  _sync_arguments([
+  _sync_alone([
       arg for arg in xla_args
       if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
   ])

@@ -135,10 +135,7 @@ def aot_guard_failure(aot_fn: Any, *args, **kwargs) -> str:
 def dynamo_eval_frame_module() -> Any:
   """torch._dynamo.eval_frame, whose make_set_enable_dynamic gives each
   torch.compile(dynamic=...) the change of dynamo's config its calls make."""
-  module = importlib.import_module('torch._dynamo.eval_frame')
-  if not callable(getattr(module, 'make_set_enable_dynamic', None)):
-    raise _missing('torch._dynamo.eval_frame.make_set_enable_dynamic')
-  return module
+  return _module_defining('torch._dynamo.eval_frame', 'make_set_enable_dynamic')
 
 
 # [Note: dynamo's config from many threads]
@@ -198,9 +195,16 @@ def shared_dynamic_config(
 def xla_backend_module() -> Any:
   """torch._dynamo.backends.torchxla, whose xla_backend_helper the openxla
   backends call with each compiled graph."""
-  module = importlib.import_module('torch._dynamo.backends.torchxla')
-  if not callable(getattr(module, 'xla_backend_helper', None)):
-    raise _missing('torch._dynamo.backends.torchxla.xla_backend_helper')
+  return _module_defining('torch._dynamo.backends.torchxla',
+                          'xla_backend_helper')
+
+
+def _module_defining(module_name: str, function: str) -> Any:
+  """The module, checked to define `function` (the registry patches it
+  there)."""
+  module = importlib.import_module(module_name)
+  if not callable(getattr(module, function, None)):
+    raise _missing(f'{module_name}.{function}')
   return module
 
 
