@@ -17,7 +17,8 @@ from torch_xla_patches import CallSpec, TensorSpec, config, dynamo_bridge
 DONATION_COUNTERS = (dynamo_bridge.COUNTER_DONATED,
                      dynamo_bridge.COUNTER_DONATION_VIEW,
                      dynamo_bridge.COUNTER_DONATION_ALIAS,
-                     dynamo_bridge.COUNTER_DONATION_COPIED)
+                     dynamo_bridge.COUNTER_DONATION_COPIED,
+                     dynamo_bridge.COUNTER_DONATION_COPIED_READ)
 
 
 def donation_counters():
@@ -299,7 +300,103 @@ def test_a_served_in_place_step_runs_its_bound_program(patched_bridge):
   # its signature (see [Note: Bound programs]): nothing ran twice.
   assert served.calls.fast_calls - fast == 3
   assert (met.counter_value(dynamo_bridge.COUNTER_HIT) or 0) - hits == 3
+  # The caches moved to the device with `to` read as read at the first step
+  # (2 copies), and the view read after each step reads the first cache
+  # (steps 1 to 4).
+  assert donation_counters() == {
+      dynamo_bridge.COUNTER_DONATED: 2,
+      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2 + 4
+  }
+
+
+def serve_layer_caches():
+  cpu, model = cpu_and_xla(LayerCaches)
+  served = torch_xla_patches.serve(model, [
+      CallSpec(TensorSpec((4, 8)), TensorSpec(
+          (4,), torch.long), [TensorSpec((32, 8))] * 2)
+  ])
+  # Made on the device and synced: a tensor moved to the device with `to`
+  # holds its data in an IR node until a sync, which reads as a read.
+  caches = [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)]
+  torch_xla.sync()
+  return cpu, served, caches, [torch.zeros(32, 8) for _ in range(2)]
+
+
+def served_step(cpu, served, caches, expected, seed):
+  generator = torch.Generator().manual_seed(seed)
+  x, slots = torch.randn(4, 8, generator=generator), torch.randperm(
+      32, generator=generator)[:4]
+  with torch.no_grad():
+    want = cpu(x, slots, expected)
+  torch.testing.assert_close(served(xla(x), xla(slots), caches).cpu(), want)
+
+
+def buffer_pointers(tensors):
+  torch_xla.sync()
+  return [torch_xla._XLAC._unsafe_buffer_pointer(t) for t in tensors]
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
+    patched_bridge):
+  cpu, served, caches, expected = serve_layer_caches()
+  pointers = buffer_pointers(caches)
+  for seed in range(6):
+    served_step(cpu, served, caches, expected, seed)
+  assert buffer_pointers(caches) == pointers
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+  # Nothing read the caches between two steps: no step copied one.
   assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 2}
+
+
+def copy_of(cache):
+  return torch.zeros_like(cache).copy_(cache)
+
+
+def synced_copy_of(cache):
+  copy = copy_of(cache)
+  torch_xla.sync()
+  return copy
+
+
+# Ways to hold a cache's buffer between two steps: each is made the same way
+# from the eager reference, where views follow the cache and the rest keep
+# what it held. Each builds IR on the cache, so the next step copies it
+# (see [Note: Donating in-place updates]), but an alias: functionalization
+# gives it the cache's own lazy tensor, and it follows the cache's updates
+# as a view does.
+READS = {
+    'pending value': (lambda cache: cache * 2, 1),
+    'view': (lambda cache: cache[:4], 1),
+    'alias': (lambda cache: cache.detach(), 0),
+    'copy_': (copy_of, 1),
+    'copy_ then sync': (synced_copy_of, 1),
+}
+
+
+@pytest.mark.requires('torch_aot_compile')
+@pytest.mark.parametrize('read', READS)
+def test_a_cache_read_between_steps_is_copied_for_the_next_run(
+    patched_bridge, read):
+  cpu, served, caches, expected = serve_layer_caches()
+  for seed in range(2):
+    served_step(cpu, served, caches, expected, seed)
+  make, copies = READS[read]
+  kept, kept_reference = make(caches[0]), make(expected[0]).clone()
+  if read in ('view', 'alias'):
+    kept_reference = make(expected[0])
+  for seed in range(2, 5):
+    served_step(cpu, served, caches, expected, seed)
+  torch.testing.assert_close(kept.cpu(), kept_reference)
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+  # The step after the read ran on a copy of that cache; the next ones
+  # donated it again.
+  want = {dynamo_bridge.COUNTER_DONATED: 2}
+  if copies:
+    want[dynamo_bridge.COUNTER_DONATION_COPIED_READ] = copies
+  assert donation_counters() == want
 
 
 def test_training_donates_the_forwards_updated_buffers_only(patched_bridge):

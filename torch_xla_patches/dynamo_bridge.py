@@ -70,8 +70,10 @@ COUNTER_DONATED = 'DynamoDonatedInput'
 COUNTER_DONATION_VIEW = 'DynamoDonationSkippedView'
 COUNTER_DONATION_ALIAS = 'DynamoDonationSkippedAlias'
 # ... and a call whose donated argument shares its data with another
-# argument: that argument is copied for the run (counted per call).
+# argument, or was read since its data was set: that argument is copied for
+# the run (counted per call).
 COUNTER_DONATION_COPIED = 'DynamoDonationCopiedAlias'
+COUNTER_DONATION_COPIED_READ = 'DynamoDonationCopiedRead'
 # COUNTER_PRECOMPILED and COUNTER_PRECOMPILE_SKIPPED: see backlog.py.
 
 _EVICTED_MESSAGE = 'Failed to get computation by hash'
@@ -99,9 +101,9 @@ logger = logging.getLogger('torch_xla_patches.bridge')
 # thread had just moved to the device). So nothing here syncs the device
 # before a trace or drops pending IR it did not make: a trace materializes
 # its own arguments only, restores those it updated (pending_ir_restored),
-# and its outputs die with their references. A donating run still syncs
-# the device's pending IR, which may read the buffer it takes over (see
-# [Note: Donating in-place updates]).
+# and its outputs die with their references. A donating run of a
+# torch.compile graph still syncs the device's pending IR when an argument
+# it takes over was read (see [Note: Donating in-place updates]).
 execution_lock = threading.RLock()
 
 
@@ -206,8 +208,11 @@ class OutputPlan:
                        tuple_getter(self.returned_args))
     object.__setattr__(self, '_source_getter', tuple_getter(self.sources))
 
-  def assemble(self, results: List[torch.Tensor], args: Sequence[Any]) -> Any:
-    outputs = self.outputs(results, args)
+  def assemble(self,
+               results: List[torch.Tensor],
+               args: Sequence[Any],
+               apply_updates: bool = True) -> Any:
+    outputs = self.outputs(results, args, apply_updates)
     # The bridge's calling convention: a single output is returned bare.
     return outputs[0] if len(outputs) == 1 else outputs
 
@@ -256,8 +261,11 @@ class CompiledGraphEntry:
   # Named form of this entry's signature, for explanations and persistence.
   signature: ShapeSignature
   # Argument positions whose buffers the program takes over (see [Note:
-  # Donating in-place updates]).
+  # Donating in-place updates]) ...
   donated_positions: Tuple[int, ...] = ()
+  # ... and those of them that AOTAutograd's epilogue, not the graph,
+  # updates.
+  updated_by_epilogue: Tuple[int, ...] = ()
 
   @functools.cached_property
   def input_positions(self) -> Tuple[int, ...]:
@@ -477,10 +485,26 @@ def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
 #     twice, an alias made before the call): copied, counted per reason;
 #   * at each call of a donating program, a donated argument that shares its
 #     data with another argument of that call is replaced for the run by a
-#     copy (counted), and the write-back still goes to the caller's tensor;
-#   * pending IR anywhere on the device may read the buffer (a lazy
-#     `cache.clone()` not yet synced): it is synced before the run, which
-#     costs one call into torch_xla when nothing is pending.
+#     private copy (counted), and the write-back still goes to the caller's
+#     tensor;
+#   * anything else that holds the buffer got it by building on the
+#     argument: pending IR that reads it (`cache * 2`), a view, a tensor that
+#     took it with `copy_` (torch_xla shares the device data, it copies
+#     nothing). Building on a tensor gives it an IR node of its device data,
+#     which it keeps until its data is set again; a tensor's unique id names
+#     that node while it has one. So a donated argument with IR at a call
+#     ("read since set") is replaced for the run by a private copy
+#     (counted), and one without is donated as is, with no look at the rest
+#     of the device. An argument with pending IR of its own is computed
+#     first, into a buffer of its own.
+#   * The argument takes its updated data from the run's result
+#     (take_result) as functionalization's in-place ops do, which leaves it
+#     without IR: a decode loop donates every step, and reading the argument
+#     between two steps costs one copy.
+#   * AOTAutograd's epilogue (torch.compile) writes its updates with `copy_`,
+#     which leaves the argument read: for those arguments, the device's
+#     pending IR is synced before the run instead (a tensor that took the
+#     argument's data with `copy_` still shares it).
 # A view or alias of a donated argument made by torch_xla (`cache[:16]`,
 # `cache.detach()`) follows the argument's new data, as after any run.
 
@@ -626,22 +650,26 @@ def _trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
         torch_xla._XLAC._set_buffer_donation(args[position], True)
       traced = _trace_graph(xla_model, args, layout)
       donated = marked + in_graph
-  return _with_donated(traced, donated)
+  return _with_donated(traced, donated, marked)
 
 
-def _with_donated(traced: TracedGraph, donated: Tuple[int, ...]) -> TracedGraph:
-  """`traced`, whose trace marked the arguments at `donated` as donors."""
+def _with_donated(traced: TracedGraph, donated: Tuple[int, ...],
+                  updated_by_epilogue: Tuple[int, ...]) -> TracedGraph:
+  """`traced`, whose trace marked the arguments at `donated` as donors;
+  those at `updated_by_epilogue` are updated by AOTAutograd's epilogue."""
   if not donated:
     return traced
   _increment_counter(COUNTER_DONATED, len(donated))
   return dataclasses.replace(traced,
                              entry=dataclasses.replace(
-                                 traced.entry, donated_positions=donated))
+                                 traced.entry,
+                                 donated_positions=donated,
+                                 updated_by_epilogue=updated_by_epilogue))
 
 
 def _sync_pending_readers() -> None:
-  """Syncs the pending IR of the device before a donating run: it may read a
-  buffer the run takes over (see [Note: Donating in-place updates])."""
+  """Syncs the pending IR of the device: it may read a buffer a run takes
+  over (see [Note: Donating in-place updates])."""
   torch_xla._XLAC._xla_sync_live_tensors(_device_name(), [], True)
 
 
@@ -652,33 +680,86 @@ def _device_name() -> str:
   return str(torch_xla.device())
 
 
+def _read_since_set(tensor: torch.Tensor) -> bool:
+  """Whether torch_xla built IR on `tensor` since its device data was set
+  (see [Note: Donating in-place updates]): torch_xla names a tensor by its
+  IR node and output index while it has one ("<node>, <index>"), else by its
+  device data."""
+  return ',' in torch_xla._XLAC._unique_id_for_ir_and_data(tensor)
+
+
+def _private_copy(tensor: torch.Tensor) -> torch.Tensor:
+  """A copy of `tensor` in a buffer of its own, computed now: a lazy clone
+  is a read of the same device data until a sync computes it."""
+  copy = torch.clone(tensor)
+  _sync_alone([copy])
+  return copy
+
+
 def prepare_donating_run(entry: CompiledGraphEntry,
                          args: Sequence[Any]) -> Sequence[Any]:
   """The arguments to run a donating entry with (see [Note: Donating
-  in-place updates]): pending IR on the device synced, and a donated
-  argument that shares its data with another argument copied."""
+  in-place updates]): a donated argument whose buffer something else may
+  hold is replaced by a private copy, or, for AOTAutograd's epilogue
+  updates, the device's pending IR is synced."""
   # The program's aliasing was fixed when it compiled. A donor mark the
-  # trace left on an argument would let the sync below hand the argument's
-  # buffer to a reader's computation instead.
+  # trace left on an argument would let a sync hand the argument's buffer
+  # to another computation instead.
   for position in entry.donated_positions:
     torch_xla._XLAC._set_buffer_donation(args[position], False)
-  _sync_pending_readers()
   data_ids = {
       position: _data_id(args[position]) for position in entry.input_positions
   }
   readers = collections.Counter(data_ids.values())
-  shared = [
-      position for position in entry.donated_positions
+  copied = {
+      position: COUNTER_DONATION_COPIED
+      for position in entry.donated_positions
       if readers[data_ids[position]] > 1
-  ]
-  if not shared:
+  }
+  sync_readers = False
+  for position in entry.donated_positions:
+    if position in copied or not _read_since_set(args[position]):
+      continue
+    if position in entry.updated_by_epilogue:
+      # The epilogue's copy_ leaves every such argument read: copying it
+      # would copy it on every call.
+      sync_readers = True
+    else:
+      copied[position] = COUNTER_DONATION_COPIED_READ
+  if sync_readers:
+    _sync_pending_readers()
+  if not copied:
     return args
   run_args = list(args)
-  for position in shared:
-    _increment_counter(COUNTER_DONATION_COPIED, 1)
-    run_args[position] = torch.clone(args[position])
-  _sync_pending_inputs([run_args[position] for position in shared])
+  for position, counter in copied.items():
+    _increment_counter(counter, 1)
+    run_args[position] = _private_copy(args[position])
   return run_args
+
+
+def take_result(tensor: torch.Tensor, result: torch.Tensor) -> None:
+  """`tensor`, a donated argument, takes the run's updated `result` as its
+  data, as an in-place op of torch's functionalization does (views and
+  aliases of it follow), without the IR a `copy_` leaves on it: the next
+  run can donate it as is (see [Note: Donating in-place updates])."""
+  if not (torch._is_functional_tensor(tensor) and
+          torch._is_functional_tensor(result)):
+    tensor.copy_(result)
+    return
+  torch._functionalize_replace(tensor, torch._from_functional_tensor(result))
+  torch._functionalize_commit_update(tensor)
+  torch._functionalize_sync(tensor)
+
+
+def apply_updates(entry: CompiledGraphEntry, results: List[torch.Tensor],
+                  args: Sequence[Any]) -> None:
+  """The arguments the graph updates in place take their results."""
+  donated = entry.donated_positions
+  for position, result_index in entry.output_plan.inplace_updates:
+    if position in donated:
+      take_result(args[position], results[result_index])
+    else:
+      args[position].copy_(results[result_index])
 
 
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -782,7 +863,7 @@ class CompileWindow:
       traced = _trace_graph(xla_model, args, layout)
       if True not in torch_xla._XLAC._check_tensor_need_materialization(
           tensors):
-        traced = _with_donated(traced, marked)
+        traced = _with_donated(traced, marked, marked)
         restore = False
         del clones[:]
         torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
@@ -1198,15 +1279,16 @@ class SignatureCache:
     whose position is not in `free_index` (position -> index among the free
     arguments of a call) bound to the tensor `args` holds there now (see
     [Note: Bound programs]); None if that signature is not compiled, or if
-    its program cannot be bound (it draws a random seed, or returns an
-    argument)."""
+    its program cannot be bound (it draws a random seed, returns an
+    argument, or takes over an argument AOTAutograd's epilogue updates)."""
     key = self.key_of(args)
     with execution_lock:
       entry = self.entries.get(key)
     if entry is None:
       return None
     matcher = entry.graph_input_matcher
-    if matcher.draws_seed or entry.output_plan.returned_args:
+    if (matcher.draws_seed or entry.output_plan.returned_args or
+        entry.updated_by_epilogue):
       return None
     inputs = []
     free_slots = []
@@ -1221,13 +1303,41 @@ class SignatureCache:
         inputs.append(None)
       else:
         inputs.append(args[arg_idx])
-    # (free argument index or None, bound tensor or None, result index) of
-    # each argument the program updates in place.
+
+    def source(position: int) -> BoundArgument:
+      return BoundArgument(
+          free_index=free_index.get(position),
+          bound=None if position in free_index else args[position])
+
     updates = tuple(
-        (free_index.get(position),
-         None if position in free_index else args[position], result_index)
+        BoundUpdate(argument=source(position),
+                    result_index=result_index,
+                    donated=position in entry.donated_positions)
         for position, result_index in entry.output_plan.inplace_updates)
-    return BoundProgram(self, key, entry, inputs, tuple(free_slots), updates)
+    donated = tuple((matcher.arg_idxs.index(position), source(position))
+                    for position in entry.donated_positions)
+    return BoundProgram(self, key, entry, inputs, tuple(free_slots), updates,
+                        donated)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BoundArgument:
+  """A graph argument of a bound program: the free argument at `free_index`
+  of a call, or else the `bound` tensor."""
+  free_index: Optional[int]
+  bound: Optional[torch.Tensor]
+
+  def of(self, free_args: Sequence[Any]) -> torch.Tensor:
+    return self.bound if self.free_index is None else free_args[self.free_index]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BoundUpdate:
+  """An argument a bound program updates in place, from its result at
+  `result_index`; `donated` if the program takes its buffer over."""
+  argument: BoundArgument
+  result_index: int
+  donated: bool
 
 
 class BoundProgram:
@@ -1243,9 +1353,9 @@ class BoundProgram:
   handed (serving's fast path, through its module watch) and that the free
   arguments have the signature's shapes. What the bridge's own hit path
   does around a run is done here too: free tensors with pending IR are
-  synced first (and, for a program that donates, the device's pending IR:
-  see [Note: Donating in-place updates]), arguments updated in place take
-  their results with `copy_` (which views and aliases of them follow), the
+  synced first, a donated argument read since its data was set is copied
+  for the run, arguments updated in place take their results (see [Note:
+  Donating in-place updates]; views and aliases of them follow), the
   signature is looked up and served as every run of the bridge is
   (SignatureCache.look_up and served: LRU order, hit counter, usage,
   backlog), under execution_lock (see [Note: Threads]). A run that cannot
@@ -1260,8 +1370,9 @@ class BoundProgram:
     entry: the signature's compiled entry.
     inputs: the XLA inputs, None in the free slots.
     free_slots: (XLA input slot, free argument index) of each free input.
-    updates: (free argument index or None, bound tensor or None, result
-      index) of each argument updated in place.
+    updates: each argument updated in place.
+    donated: (XLA input slot, argument) of each argument whose buffer the
+      program takes over.
   """
 
   def __init__(self,
@@ -1270,8 +1381,8 @@ class BoundProgram:
                entry: CompiledGraphEntry,
                inputs: List[Any],
                free_slots: Tuple[Tuple[int, int], ...],
-               updates: Tuple[Tuple[Optional[int], Optional[torch.Tensor], int],
-                              ...] = ()):
+               updates: Tuple[BoundUpdate, ...] = (),
+               donated: Tuple[Tuple[int, BoundArgument], ...] = ()):
     self.key = key
     self.graph_hash = entry.graph_hash
     self._cache = cache
@@ -1279,7 +1390,7 @@ class BoundProgram:
     self._inputs = inputs
     self._free_slots = free_slots
     self._updates = updates
-    self._donates = bool(entry.donated_positions)
+    self._donated = donated
     self._output_plan = entry.output_plan
     self._outputs_are_results = entry.output_plan.outputs_are_results
 
@@ -1299,12 +1410,18 @@ class BoundProgram:
         if not upstream_config.skip_input_data_check:
           # free_args may hold a served call's other leaves (ints, None).
           _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
-        if self._donates:
-          _sync_pending_readers()
+        for slot, argument in self._donated:
+          tensor = argument.of(free_args)
+          if _read_since_set(tensor):
+            _increment_counter(COUNTER_DONATION_COPIED_READ, 1)
+            inputs[slot] = _private_copy(tensor)
         results = run_program(self.graph_hash, inputs)
-        for free, bound, result_index in self._updates:
-          (bound if free is None else free_args[free]).copy_(
-              results[result_index])
+        for update in self._updates:
+          target = update.argument.of(free_args)
+          if update.donated:
+            take_result(target, results[update.result_index])
+          else:
+            target.copy_(results[update.result_index])
       else:
         results = []
       outputs = (results if self._outputs_are_results else plan.outputs(
@@ -1419,9 +1536,10 @@ def extract_internal(xla_model: torch.fx.GraphModule):
         except RefusedBeforeRun as refusal:
           entry, results = run_after_refusal(refusal, key, entry, args)
           plan = entry.output_plan
+        apply_updates(entry, results, args)
       else:
         results = []
-      outputs = plan.assemble(results, args)
+      outputs = plan.assemble(results, args, apply_updates=False)
       cache.served(key)
       return outputs
 
