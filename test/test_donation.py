@@ -341,13 +341,20 @@ def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
     patched_bridge):
   cpu, served, caches, expected = serve_layer_caches()
   pointers = buffer_pointers(caches)
-  for seed in range(6):
+  # An alias shares the cache's storage and reads nothing until used.
+  alias = caches[1].detach()
+  # Past two drops of the caches' update logs (see [Note: Taking a result]).
+  steps = 2 * dynamo_bridge._UPDATE_LOG_RUNS + 3
+  for seed in range(steps):
     served_step(cpu, served, caches, expected, seed)
   assert buffer_pointers(caches) == pointers
   for cache, reference in zip(caches, expected):
     torch.testing.assert_close(cache.cpu(), reference)
+  torch.testing.assert_close(alias.cpu(), expected[1])
   # Nothing read the caches between two steps: no step copied one.
   assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 2}
+  # serve()'s precompile call taught the fast path the bucket.
+  assert served.calls.fast_calls == steps
 
 
 def copy_of(cache):

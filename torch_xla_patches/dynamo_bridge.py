@@ -737,18 +737,33 @@ def prepare_donating_run(entry: CompiledGraphEntry,
   return run_args
 
 
-def take_result(tensor: torch.Tensor, result: torch.Tensor) -> None:
+def take_result(tensor: torch.Tensor,
+                result: torch.Tensor,
+                drop_update_log: bool = True) -> None:
   """`tensor`, a donated argument, takes the run's updated `result` as its
-  data, as an in-place op of torch's functionalization does (views and
-  aliases of it follow), without the IR a `copy_` leaves on it: the next
-  run can donate it as is (see [Note: Donating in-place updates])."""
-  if not (torch._is_functional_tensor(tensor) and
-          torch._is_functional_tensor(result)):
+  data, as an in-place op of torch's functionalization does, without the IR
+  a `copy_` leaves on it: the next run can donate it as is (see [Note:
+  Donating in-place updates]).
+
+  [Note: Taking a result]
+  Functionalization keeps a tensor's data in an inner tensor and its updates
+  in a log on the storage it shares with its views and aliases. Replacing
+  the inner tensor by the result's and committing the update to the log is
+  what makes views and aliases follow (each replays the log when next used).
+  A sync of the tensor then only drops the log (the tensor already holds the
+  result). That sync is the dearest of the three steps, and the log is
+  dropped by any later sync as well, so a caller that takes results over
+  and over may skip it as long as it syncs every so often: the log then
+  holds at most that many entries, each a few hundred bytes of host memory
+  (the buffers were donated)."""
+  if not torch._is_functional_tensor(tensor):
+    # XLA_DISABLE_FUNCTIONALIZATION=1: a lazy tensor of its own.
     tensor.copy_(result)
     return
   torch._functionalize_replace(tensor, torch._from_functional_tensor(result))
   torch._functionalize_commit_update(tensor)
-  torch._functionalize_sync(tensor)
+  if drop_update_log:
+    torch._functionalize_sync(tensor)
 
 
 def apply_updates(entry: CompiledGraphEntry, results: List[torch.Tensor],
@@ -1392,6 +1407,7 @@ class BoundProgram:
     self._updates = updates
     self._donated = donated
     self._output_plan = entry.output_plan
+    self._runs = 0
     self._outputs_are_results = entry.output_plan.outputs_are_results
 
   def __call__(self, free_args: Sequence[torch.Tensor]) -> List[Any]:
@@ -1416,10 +1432,13 @@ class BoundProgram:
             _increment_counter(COUNTER_DONATION_COPIED_READ, 1)
             inputs[slot] = _private_copy(tensor)
         results = run_program(self.graph_hash, inputs)
+        self._runs += 1
+        # See [Note: Taking a result].
+        drop_update_log = self._runs % _UPDATE_LOG_RUNS == 0
         for update in self._updates:
           target = update.argument.of(free_args)
           if update.donated:
-            take_result(target, results[update.result_index])
+            take_result(target, results[update.result_index], drop_update_log)
           else:
             target.copy_(results[update.result_index])
       else:
@@ -1428,6 +1447,11 @@ class BoundProgram:
           results, (), apply_updates=False))
       cache.served(self.key)
       return outputs
+
+
+# A bound program drops the update logs of the arguments it updates every
+# this many runs (see [Note: Taking a result]).
+_UPDATE_LOG_RUNS = 32
 
 
 class RefusedBeforeRun(RuntimeError):
