@@ -77,6 +77,9 @@ def test_views_aliases_and_pending_readers_see_what_eager_sees(patched_bridge):
   torch.testing.assert_close(alias.cpu(), expected)
   # The pending value was computed from the buffer the call donated.
   torch.testing.assert_close(pending.cpu(), before)
+  # AOTAutograd's epilogue writes the cache back with `copy_`, which leaves
+  # it read at every call: the device's pending IR is synced before each
+  # run instead of a copy.
   assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 1}
 
 
@@ -404,6 +407,37 @@ def test_a_cache_read_between_steps_is_copied_for_the_next_run(
   if copies:
     want[dynamo_bridge.COUNTER_DONATION_COPIED_READ] = copies
   assert donation_counters() == want
+
+
+@pytest.mark.requires('torch_aot_compile')
+@pytest.mark.parametrize('moved', ['to', 'made on the device'])
+def test_reads_before_a_call_that_traces_keep_their_buffer(
+    patched_bridge, moved):
+  # A new signature traces on the caller's caches: the sync before the trace
+  # and the restore after it drop the IR a read left on a cache.
+  cpu, served, caches, expected = serve_layer_caches()
+  if moved == 'to':
+    caches = [xla(torch.zeros(32, 8)) for _ in range(2)]
+  before = donation_counters()
+  pending, copied = caches[0] * 2, copy_of(caches[1])
+  generator = torch.Generator().manual_seed(0)
+  x, slots = torch.randn(3, 8, generator=generator), torch.tensor([1, 5, 9])
+  with torch.no_grad():
+    want = cpu(x, slots, expected)
+  torch.testing.assert_close(served(xla(x), xla(slots), caches).cpu(), want)
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+  torch.testing.assert_close(pending.cpu(), torch.zeros(32, 8))
+  torch.testing.assert_close(copied.cpu(), torch.zeros(32, 8))
+  # The new signature donates both caches; both were read, so its first run
+  # copied them, whatever the trace did to their IR.
+  after = donation_counters()
+  assert {
+      name: after[name] - before.get(name, 0) for name in after
+  } == {
+      dynamo_bridge.COUNTER_DONATED: 2,
+      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2
+  }
 
 
 def test_training_donates_the_forwards_updated_buffers_only(patched_bridge):

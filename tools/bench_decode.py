@@ -76,11 +76,12 @@ call alone, then torch_xla.sync() and xm.wait_device_ops() untimed), each
 step's inputs made just before it, in --floor-rounds rounds of --steps
 steps per row, which row goes first alternating; a row's figure is the
 median over rounds of each round's median, served / floor the median of the
-rounds' ratios. Before a donating run the served path syncs the device's
-live tensors (any of them may read a cache), at a cost that grows with
-their number, so rows also run with --floor-live other small tensors alive
-(400: a 7B Llama's 291 parameters, its 64 per-layer KV caches and a few
-more). Every served and floor logit (timed and back-to-back steps), and
+rounds' ratios. A donating run syncs the device's live tensors when a
+cache holds data it cannot vouch for (any of them may read it), at a cost
+that grows with their number, so rows also run with --floor-live other
+small tensors alive (400: a 7B Llama's 291 parameters, its 64 per-layer KV
+caches and a few more): in the loop the caches hold the last step's
+results, and no step should pay it. Every served and floor logit (timed and back-to-back steps), and
 the caches at the end, are compared: the same program gives the same bits.
 
 All rows of one run are measured side by side; compare them as ratios (the
@@ -509,8 +510,8 @@ def floor_row(mib: float, other_live: int, warmup: int, steps: int,
   # The timed rounds, then one round of each row back to back.
   plan = make_steps(num_slots, warmup + (rounds + 1) * steps)
   # Tensors a server holds besides this model's (a larger model's
-  # parameters, other requests' inputs): a donating run syncs the device's
-  # live tensors first, at a cost that grows with their number.
+  # parameters, other requests' inputs): a donating run that syncs the
+  # device's live tensors pays a cost that grows with their number.
   others = [torch.zeros(1, device=device) for _ in range(other_live)]
   # The served row and the floor each update caches of their own, in
   # lockstep: the same steps in the same order.

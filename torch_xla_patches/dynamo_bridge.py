@@ -278,7 +278,9 @@ class CompiledGraphEntry:
 
 
 @contextlib.contextmanager
-def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+def pending_ir_restored(
+    tensors: Sequence[torch.Tensor],
+    read: Optional[Sequence[bool]] = None) -> Iterator[None]:
   """Runs a trace of the FX graph on real arguments and leaves them as they
   were, with no pending IR behind, whether the trace returns or raises.
 
@@ -287,38 +289,53 @@ def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
   used) are copied back into the updated ones, which then hold the device
   data they had; the clones are then let go. The pending IR of the device is
   not cleared: other threads' tensors may be pending (see [Note: Threads]).
+  `read` tells, per tensor, whether something may hold its buffer by
+  having read it before the trace began (see _maybe_read; taken now if not
+  given).
   """
   tensors = list(tensors)
+  if read is None:
+    read = [_maybe_read(t) for t in tensors]
   clones = [torch.clone(t) for t in tensors]
   try:
-    yield functools.partial(_restore, tensors, clones)
+    yield functools.partial(_restore, tensors, clones, read)
   finally:
-    _restore_and_release(tensors, clones)
+    _restore_and_release(tensors, clones, read)
 
 
-def _restore(tensors: List[torch.Tensor], clones: List[torch.Tensor]) -> None:
+def _restore(tensors: List[torch.Tensor], clones: List[torch.Tensor],
+             read: Sequence[bool]) -> None:
   """Copies each clone back into its tensor if the tensor has pending IR. The
   copy leaves the tensor's IR a read of its old device data; the sync of
-  those tensors alone makes them that device data again, and runs nothing."""
+  those tensors alone makes them that device data again, and runs nothing.
+  The data of a tensor `read` before the trace is noted as read: whatever
+  read it may hold its buffer, which a donating run must not take (see
+  [Note: Donating in-place updates])."""
   flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-  updated = [(t, c) for t, c, flag in zip(tensors, clones, flags) if flag]
-  for tensor, clone in updated:
+  updated = [(t, c, was_read)
+             for t, c, flag, was_read in zip(tensors, clones, flags, read)
+             if flag]
+  for tensor, clone, _ in updated:
     tensor.copy_(clone)
     # A donor mark of the trace (see [Note: Donating in-place updates])
     # would let the sync below hand the buffer over; a second trace marks
     # again.
     torch_xla._XLAC._set_buffer_donation(tensor, False)
-  _sync_alone([tensor for tensor, _ in updated])
+  _sync_alone([tensor for tensor, _, _ in updated])
+  for tensor, _, was_read in updated:
+    if was_read:
+      _note_data(tensor, given=False)
 
 
 def _restore_and_release(tensors: List[torch.Tensor],
-                         clones: List[torch.Tensor]) -> None:
+                         clones: List[torch.Tensor],
+                         read: Sequence[bool]) -> None:
   """_restore, then lets the clones go."""
-  _restore(tensors, clones)
+  _restore(tensors, clones, read)
   del clones[:]
 
 
-def _data_id(tensor: torch.Tensor) -> int:
+def _data_id(tensor: torch.Tensor) -> str:
   return torch_xla._XLAC._unique_id_for_ir_and_data(tensor)
 
 
@@ -491,20 +508,34 @@ def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
 #     argument: pending IR that reads it (`cache * 2`), a view, a tensor that
 #     took it with `copy_` (torch_xla shares the device data, it copies
 #     nothing). Building on a tensor gives it an IR node of its device data,
-#     which it keeps until its data is set again; a tensor's unique id names
-#     that node while it has one. So a donated argument with IR at a call
-#     ("read since set") is replaced for the run by a private copy
-#     (counted), and one without is donated as is, with no look at the rest
-#     of the device. An argument with pending IR of its own is computed
-#     first, into a buffer of its own.
+#     which it keeps until its data is set again, and a tensor's data id
+#     names that node while it has one. So at each donating call, a donated
+#     argument is, by what is known of its buffer:
+#       - given: it holds, without IR, the data a run gave it (take_result,
+#         noted by the tensor's unique id with its data id), so no one else
+#         holds that buffer: donated as is, with no look at the rest of the
+#         device. A decode loop runs so at every step;
+#       - read: it has IR, or its data was noted as read before a sync
+#         dropped its IR (a tensor moved to the device with `to` holds its
+#         data in an IR node until a sync; the sync before a trace and the
+#         restore after it drop the IR of the arguments): replaced for the
+#         run by a private copy (counted), so that a reading one step costs
+#         one copy, and the buffer stays with whatever read it;
+#       - unknown (data the caller set: made on the device and synced,
+#         written in place and synced): the device's pending IR, which may
+#         read it, is synced first. An argument with pending IR of its own is
+#         computed first, into a buffer of its own.
+#     What stays unseen: a tensor that took another's data with `copy_` and
+#     was then synced holds that data without IR (torch_xla shares a device
+#     data node's data on a copy_ within the device); donated, it deletes
+#     the buffer the other still holds.
 #   * The argument takes its updated data from the run's result
 #     (take_result) as functionalization's in-place ops do, which leaves it
-#     without IR: a decode loop donates every step, and reading the argument
-#     between two steps costs one copy.
+#     given.
 #   * AOTAutograd's epilogue (torch.compile) writes its updates with `copy_`,
-#     which leaves the argument read: for those arguments, the device's
-#     pending IR is synced before the run instead (a tensor that took the
-#     argument's data with `copy_` still shares it).
+#     which leaves the argument read at every call: for those arguments, the
+#     device's pending IR is synced before the run instead of a copy (and a
+#     tensor that took the argument's data with `copy_` shares it).
 # A view or alias of a donated argument made by torch_xla (`cache[:16]`,
 # `cache.detach()`) follows the argument's new data, as after any run.
 
@@ -682,10 +713,60 @@ def _device_name() -> str:
 
 def _read_since_set(tensor: torch.Tensor) -> bool:
   """Whether torch_xla built IR on `tensor` since its device data was set
-  (see [Note: Donating in-place updates]): torch_xla names a tensor by its
-  IR node and output index while it has one ("<node>, <index>"), else by its
-  device data."""
-  return ',' in torch_xla._XLAC._unique_id_for_ir_and_data(tensor)
+  (see [Note: Donating in-place updates]); False for a tensor off the XLA
+  device."""
+  return tensor.device.type == 'xla' and _was_read(_data_id(tensor))
+
+
+def _was_read(data_id: str) -> bool:
+  # torch_xla names a tensor by its IR node and output index while it has
+  # one ("<node>, <index>"), else by its device data.
+  return ',' in data_id
+
+
+# What the bridge knows of the device data a lazy tensor holds without IR
+# (see [Note: Donating in-place updates]), by the tensor's unique id (never
+# reused, unlike a data id) -> (its data id then, whether given): given for
+# data a run gave a donated argument (take_result), which no one else can
+# hold; not given for data of a tensor that was read before a sync dropped
+# its IR (the sync before a trace, the restore after it), which a reader may
+# hold. Oldest first; bounded, as a tensor may be dropped without another
+# run. Guarded by execution_lock.
+_known_data: 'collections.OrderedDict[int, Tuple[str, bool]]' = (
+    collections.OrderedDict())
+_KNOWN_DATA_LIMIT = 4096
+
+
+def _note_data(tensor: torch.Tensor, given: bool) -> None:
+  key = torch_xla._XLAC._xla_get_tensor_id(tensor)
+  _known_data[key] = (_data_id(tensor), given)
+  if len(_known_data) > _KNOWN_DATA_LIMIT:
+    _known_data.popitem(last=False)
+
+
+def _maybe_read(tensor: torch.Tensor) -> bool:
+  """Whether something may hold `tensor`'s buffer by having read it: it has
+  IR, or its data was noted as read (see _known_data)."""
+  if _read_since_set(tensor):
+    return True
+  if tensor.device.type != 'xla':
+    return False
+  known = _known_data.get(torch_xla._XLAC._xla_get_tensor_id(tensor))
+  return known == (_data_id(tensor), False)
+
+
+def _given_data(tensor: torch.Tensor) -> Optional[bool]:
+  """True if `tensor` holds data a run gave it and nothing read since,
+  False if its data may be read elsewhere, None if unknown (data the caller
+  set). Forgets the tensor's entry: the run about to take its buffer over
+  gives it new data."""
+  data_id = _data_id(tensor)
+  if _was_read(data_id):
+    return False
+  known = _known_data.pop(torch_xla._XLAC._xla_get_tensor_id(tensor), None)
+  if known is None or known[0] != data_id:
+    return None
+  return known[1]
 
 
 def _private_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -718,14 +799,15 @@ def prepare_donating_run(entry: CompiledGraphEntry,
   }
   sync_readers = False
   for position in entry.donated_positions:
-    if position in copied or not _read_since_set(args[position]):
+    given = _given_data(args[position])
+    if given or position in copied:
       continue
-    if position in entry.updated_by_epilogue:
-      # The epilogue's copy_ leaves every such argument read: copying it
-      # would copy it on every call.
-      sync_readers = True
-    else:
+    if given is False and position not in entry.updated_by_epilogue:
       copied[position] = COUNTER_DONATION_COPIED_READ
+    else:
+      # Data the caller gave it (or AOTAutograd's epilogue, whose copy_
+      # leaves it read on every call): pending IR may read it.
+      sync_readers = True
   if sync_readers:
     _sync_pending_readers()
   if not copied:
@@ -764,6 +846,7 @@ def take_result(tensor: torch.Tensor,
   torch._functionalize_commit_update(tensor)
   if drop_update_log:
     torch._functionalize_sync(tensor)
+  _note_data(result, given=True)
 
 
 def apply_updates(entry: CompiledGraphEntry, results: List[torch.Tensor],
@@ -780,14 +863,14 @@ def apply_updates(entry: CompiledGraphEntry, results: List[torch.Tensor],
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                          layout: ArgLayout) -> CompiledGraphEntry:
   """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
+  tensors = [args[i] for i in layout.tensor_positions]
   # The arguments enter the graph as device data (see [Note: Threads]: not a
   # sync of every live tensor, which races with other threads' tensors).
-  _sync_alone([args[i] for i in layout.tensor_positions])
+  _sync_alone_noting_reads(tensors)
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
-  with pending_ir_restored([args[i] for i in layout.tensor_positions
-                           ]) as restore:
+  with pending_ir_restored(tensors) as restore:
     marked = _mark_updated_by_epilogue(xla_model, args, layout)
     traced = _trace_donating(xla_model, args, layout, restore,
                              _trace_graph(xla_model, args, layout), marked)
@@ -861,7 +944,7 @@ class CompileWindow:
     if self._busy() and True in (
         torch_xla._XLAC._check_tensor_need_materialization(tensors)):
       self.wait()
-    _sync_alone(tensors)
+    _sync_alone_noting_reads(tensors)
 
   def trace(
       self, xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -871,6 +954,7 @@ class CompileWindow:
     (None when it is compiled already, or has nothing to compile)."""
     tensors = [args[i] for i in layout.tensor_positions]
     self._begin_trace(tensors)
+    read = [_maybe_read(t) for t in tensors]
     clones = [torch.clone(t) for t in tensors]
     restore = True
     try:
@@ -893,9 +977,9 @@ class CompileWindow:
         return traced.entry, future
       # An in-place update: the serial path, after the compiles in flight.
       self.wait()
-      traced = _trace_donating(xla_model, args, layout,
-                               functools.partial(_restore, tensors, clones),
-                               traced, marked)
+      traced = _trace_donating(
+          xla_model, args, layout,
+          functools.partial(_restore, tensors, clones, read), traced, marked)
       if traced.graph_tensors:
         compile_graph(traced.graph_tensors)
       return traced.entry, None
@@ -905,7 +989,7 @@ class CompileWindow:
       raise
     finally:
       if restore:
-        _restore_and_release(tensors, clones)
+        _restore_and_release(tensors, clones, read)
 
   @contextlib.contextmanager
   def opened(self) -> Iterator['CompileWindow']:
@@ -1426,11 +1510,19 @@ class BoundProgram:
         if not upstream_config.skip_input_data_check:
           # free_args may hold a served call's other leaves (ints, None).
           _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
+        sync_readers = False
         for slot, argument in self._donated:
           tensor = argument.of(free_args)
-          if _read_since_set(tensor):
+          given = _given_data(tensor)
+          if given:
+            continue
+          if given is False:
             _increment_counter(COUNTER_DONATION_COPIED_READ, 1)
             inputs[slot] = _private_copy(tensor)
+          else:
+            sync_readers = True
+        if sync_readers:
+          _sync_pending_readers()
         results = run_program(self.graph_hash, inputs)
         self._runs += 1
         # See [Note: Taking a result].
@@ -1478,6 +1570,18 @@ def _sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
   if True in flags:
     _increment_counter('DynamoSyncInputExecuteTime', 1)
     _sync_alone([t for t, flag in zip(tensors, flags) if flag])
+
+
+def _sync_alone_noting_reads(tensors: Sequence[torch.Tensor]) -> None:
+  """_sync_alone, noting the data of a tensor read since its data was set
+  (see _read_since_set) as read: the sync makes a tensor whose data sat in
+  an IR node (one just moved to the device, which something may have read)
+  hold that data itself, and drops the node."""
+  read = [t for t in tensors if _read_since_set(t)]
+  _sync_alone(tensors)
+  for tensor in read:
+    if not _read_since_set(tensor):
+      _note_data(tensor, given=False)
 
 
 def _sync_alone(tensors: Sequence[torch.Tensor]) -> None:
@@ -1734,7 +1838,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   _check_args(xla_args)
   # Materialize the arguments so their ids show up as graph inputs (only
   # them: see [Note: Threads]).
-  _sync_alone([
+  _sync_alone_noting_reads([
       arg for arg in xla_args
       if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
   ])
