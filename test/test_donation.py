@@ -21,12 +21,14 @@ DONATION_COUNTERS = (dynamo_bridge.COUNTER_DONATED,
                      dynamo_bridge.COUNTER_DONATION_COPIED_READ)
 
 
-def donation_counters():
-  return {
-      name: met.counter_value(name)
+def donation_counters(since=None):
+  """The donation counters that are not 0, less their values in `since`."""
+  since = since or {}
+  counts = {
+      name: (met.counter_value(name) or 0) - since.get(name, 0)
       for name in DONATION_COUNTERS
-      if met.counter_value(name)
   }
+  return {name: count for name, count in counts.items() if count}
 
 
 def xla(tensor):
@@ -283,6 +285,7 @@ def test_a_served_in_place_step_runs_its_bound_program(patched_bridge):
       CallSpec(TensorSpec((4, 8)), TensorSpec(
           (4,), torch.long), [TensorSpec((32, 8))] * 2)
   ])
+  served_at = donation_counters()
   caches = [xla(torch.zeros(32, 8)) for _ in range(2)]
   expected = [torch.zeros(32, 8) for _ in range(2)]
   view = caches[0][:8]
@@ -306,8 +309,7 @@ def test_a_served_in_place_step_runs_its_bound_program(patched_bridge):
   # The caches moved to the device with `to` read as read at the first step
   # (2 copies), and the view read after each step reads the first cache
   # (steps 1 to 4).
-  assert donation_counters() == {
-      dynamo_bridge.COUNTER_DONATED: 2,
+  assert served_donations(served_at) == {
       dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2 + 4
   }
 
@@ -323,6 +325,13 @@ def serve_layer_caches():
   caches = [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)]
   torch_xla.sync()
   return cpu, served, caches, [torch.zeros(32, 8) for _ in range(2)]
+
+
+def served_donations(served_at):
+  """What the calls since serve() returned donated and copied; `served_at`
+  are the counters then (serve()'s own compiles donated both caches)."""
+  assert served_at[dynamo_bridge.COUNTER_DONATED] == 2
+  return donation_counters(since=served_at)
 
 
 def served_step(cpu, served, caches, expected, seed):
@@ -343,6 +352,7 @@ def buffer_pointers(tensors):
 def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
     patched_bridge):
   cpu, served, caches, expected = serve_layer_caches()
+  served_at = donation_counters()
   pointers = buffer_pointers(caches)
   # An alias shares the cache's storage and reads nothing until used.
   alias = caches[1].detach()
@@ -355,7 +365,7 @@ def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
     torch.testing.assert_close(cache.cpu(), reference)
   torch.testing.assert_close(alias.cpu(), expected[1])
   # Nothing read the caches between two steps: no step copied one.
-  assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 2}
+  assert served_donations(served_at) == {}
   # serve()'s precompile call taught the fast path the bucket.
   assert served.calls.fast_calls == steps
 
@@ -390,6 +400,7 @@ READS = {
 def test_a_cache_read_between_steps_is_copied_for_the_next_run(
     patched_bridge, read):
   cpu, served, caches, expected = serve_layer_caches()
+  served_at = donation_counters()
   for seed in range(2):
     served_step(cpu, served, caches, expected, seed)
   make, copies = READS[read]
@@ -403,10 +414,8 @@ def test_a_cache_read_between_steps_is_copied_for_the_next_run(
     torch.testing.assert_close(cache.cpu(), reference)
   # The step after the read ran on a copy of that cache; the next ones
   # donated it again.
-  want = {dynamo_bridge.COUNTER_DONATED: 2}
-  if copies:
-    want[dynamo_bridge.COUNTER_DONATION_COPIED_READ] = copies
-  assert donation_counters() == want
+  want = {dynamo_bridge.COUNTER_DONATION_COPIED_READ: copies} if copies else {}
+  assert served_donations(served_at) == want
 
 
 @pytest.mark.requires('torch_aot_compile')
@@ -416,9 +425,9 @@ def test_reads_before_a_call_that_traces_keep_their_buffer(
   # A new signature traces on the caller's caches: the sync before the trace
   # and the restore after it drop the IR a read left on a cache.
   cpu, served, caches, expected = serve_layer_caches()
+  served_at = donation_counters()
   if moved == 'to':
     caches = [xla(torch.zeros(32, 8)) for _ in range(2)]
-  before = donation_counters()
   pending, copied = caches[0] * 2, copy_of(caches[1])
   generator = torch.Generator().manual_seed(0)
   x, slots = torch.randn(3, 8, generator=generator), torch.tensor([1, 5, 9])
@@ -431,10 +440,7 @@ def test_reads_before_a_call_that_traces_keep_their_buffer(
   torch.testing.assert_close(copied.cpu(), torch.zeros(32, 8))
   # The new signature donates both caches; both were read, so its first run
   # copied them, whatever the trace did to their IR.
-  after = donation_counters()
-  assert {
-      name: after[name] - before.get(name, 0) for name in after
-  } == {
+  assert served_donations(served_at) == {
       dynamo_bridge.COUNTER_DONATED: 2,
       dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2
   }
