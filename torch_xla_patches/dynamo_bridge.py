@@ -278,9 +278,7 @@ class CompiledGraphEntry:
 
 
 @contextlib.contextmanager
-def pending_ir_restored(
-    tensors: Sequence[torch.Tensor],
-    read: Optional[Sequence[bool]] = None) -> Iterator[None]:
+def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
   """Runs a trace of the FX graph on real arguments and leaves them as they
   were, with no pending IR behind, whether the trace returns or raises.
 
@@ -289,13 +287,10 @@ def pending_ir_restored(
   used) are copied back into the updated ones, which then hold the device
   data they had; the clones are then let go. The pending IR of the device is
   not cleared: other threads' tensors may be pending (see [Note: Threads]).
-  `read` tells, per tensor, whether something may hold its buffer by
-  having read it before the trace began (see _maybe_read; taken now if not
-  given).
+  What was read before the trace stays known as read (see _maybe_read).
   """
   tensors = list(tensors)
-  if read is None:
-    read = [_maybe_read(t) for t in tensors]
+  read = [_maybe_read(t) for t in tensors]
   clones = [torch.clone(t) for t in tensors]
   try:
     yield functools.partial(_restore, tensors, clones, read)
