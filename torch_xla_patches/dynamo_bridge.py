@@ -208,23 +208,15 @@ class OutputPlan:
                        tuple_getter(self.returned_args))
     object.__setattr__(self, '_source_getter', tuple_getter(self.sources))
 
-  def assemble(self,
-               results: List[torch.Tensor],
-               args: Sequence[Any],
-               apply_updates: bool = True) -> Any:
-    outputs = self.outputs(results, args, apply_updates)
+  def assemble(self, results: List[torch.Tensor], args: Sequence[Any]) -> Any:
+    outputs = self.outputs(results, args)
     # The bridge's calling convention: a single output is returned bare.
     return outputs[0] if len(outputs) == 1 else outputs
 
-  def outputs(self,
-              results: List[torch.Tensor],
-              args: Sequence[Any],
-              apply_updates: bool = True) -> Sequence[Any]:
-    """Every graph output, in order; applies the in-place updates unless the
-    caller did."""
-    if apply_updates:
-      for arg_position, result_index in self.inplace_updates:
-        args[arg_position].copy_(results[result_index])
+  def outputs(self, results: List[torch.Tensor],
+              args: Sequence[Any]) -> Sequence[Any]:
+    """Every graph output, in order (the in-place updates are the caller's:
+    see apply_updates)."""
     if self._identity:
       return results
     pool = list(results)
@@ -236,12 +228,6 @@ class OutputPlan:
   def outputs_are_results(self) -> bool:
     """Whether the graph's outputs are the run's results, in order."""
     return self._identity and not self.inplace_updates
-
-  @property
-  def reads_args(self) -> bool:
-    """Whether outputs() needs the call's arguments (in-place updates, or
-    arguments returned as outputs)."""
-    return bool(self.inplace_updates or self.returned_args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -742,26 +728,46 @@ def _note_data(tensor: torch.Tensor, given: bool) -> None:
 def _maybe_read(tensor: torch.Tensor) -> bool:
   """Whether something may hold `tensor`'s buffer by having read it: it has
   IR, or its data was noted as read (see _known_data)."""
-  if _read_since_set(tensor):
-    return True
-  if tensor.device.type != 'xla':
-    return False
-  known = _known_data.get(torch_xla._XLAC._xla_get_tensor_id(tensor))
-  return known == (_data_id(tensor), False)
+  return tensor.device.type == 'xla' and _given_data(
+      tensor, _data_id(tensor), forget=False) is False
 
 
-def _given_data(tensor: torch.Tensor) -> Optional[bool]:
-  """True if `tensor` holds data a run gave it and nothing read since,
-  False if its data may be read elsewhere, None if unknown (data the caller
-  set). Forgets the tensor's entry: the run about to take its buffer over
-  gives it new data."""
-  data_id = _data_id(tensor)
+def _given_data(tensor: torch.Tensor,
+                data_id: str,
+                forget: bool = True) -> Optional[bool]:
+  """True if `tensor` (whose _data_id is `data_id`) holds data a run gave it
+  and nothing read since, False if its data may be read elsewhere, None if
+  unknown (data the caller set). Forgets the tensor's entry unless told not
+  to: the run about to take its buffer over gives it new data."""
   if _was_read(data_id):
     return False
-  known = _known_data.pop(torch_xla._XLAC._xla_get_tensor_id(tensor), None)
+  key = torch_xla._XLAC._xla_get_tensor_id(tensor)
+  known = _known_data.pop(key, None) if forget else _known_data.get(key)
   if known is None or known[0] != data_id:
     return None
   return known[1]
+
+
+def _read_donations(tensors: Sequence[torch.Tensor], data_ids: Sequence[str],
+                    copy_if_read: Sequence[bool]) -> List[int]:
+  """Readies the buffers a run is about to take over, of `tensors` (see
+  [Note: Donating in-place updates]): the indices of those read since their
+  data was set, which the run takes a private copy of where `copy_if_read`
+  says so. The device's pending IR is synced first if any other holds data
+  the caller set, or was read where no copy is taken."""
+  read = []
+  sync_readers = False
+  for index, (tensor, data_id) in enumerate(zip(tensors, data_ids)):
+    given = _given_data(tensor, data_id)
+    if given:
+      continue
+    if given is False and copy_if_read[index]:
+      read.append(index)
+    else:
+      sync_readers = True
+  if sync_readers:
+    _sync_pending_readers()
+  return read
 
 
 def _private_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -792,19 +798,16 @@ def prepare_donating_run(entry: CompiledGraphEntry,
       for position in entry.donated_positions
       if readers[data_ids[position]] > 1
   }
-  sync_readers = False
-  for position in entry.donated_positions:
-    given = _given_data(args[position])
-    if given or position in copied:
-      continue
-    if given is False and position not in entry.updated_by_epilogue:
-      copied[position] = COUNTER_DONATION_COPIED_READ
-    else:
-      # Data the caller gave it (or AOTAutograd's epilogue, whose copy_
-      # leaves it read on every call): pending IR may read it.
-      sync_readers = True
-  if sync_readers:
-    _sync_pending_readers()
+  taken = [
+      position for position in entry.donated_positions if position not in copied
+  ]
+  # AOTAutograd's epilogue writes its updates with copy_, which leaves them
+  # read at every call: copying them would copy at every call.
+  for index in _read_donations(
+      [args[position] for position in taken],
+      [data_ids[position] for position in taken],
+      [position not in entry.updated_by_epilogue for position in taken]):
+    copied[taken[index]] = COUNTER_DONATION_COPIED_READ
   if not copied:
     return args
   run_args = list(args)
@@ -1485,6 +1488,8 @@ class BoundProgram:
     self._free_slots = free_slots
     self._updates = updates
     self._donated = donated
+    # Bound programs take over no epilogue update (see bound_program).
+    self._copy_if_read = [True] * len(donated)
     self._output_plan = entry.output_plan
     self._runs = 0
     self._outputs_are_results = entry.output_plan.outputs_are_results
@@ -1505,19 +1510,12 @@ class BoundProgram:
         if not upstream_config.skip_input_data_check:
           # free_args may hold a served call's other leaves (ints, None).
           _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
-        sync_readers = False
-        for slot, argument in self._donated:
-          tensor = argument.of(free_args)
-          given = _given_data(tensor)
-          if given:
-            continue
-          if given is False:
+        if self._donated:
+          donated = [argument.of(free_args) for _, argument in self._donated]
+          for index in _read_donations(donated, [_data_id(t) for t in donated],
+                                       self._copy_if_read):
             _increment_counter(COUNTER_DONATION_COPIED_READ, 1)
-            inputs[slot] = _private_copy(tensor)
-          else:
-            sync_readers = True
-        if sync_readers:
-          _sync_pending_readers()
+            inputs[self._donated[index][0]] = _private_copy(donated[index])
         results = run_program(self.graph_hash, inputs)
         self._runs += 1
         # See [Note: Taking a result].
@@ -1531,7 +1529,7 @@ class BoundProgram:
       else:
         results = []
       outputs = (results if self._outputs_are_results else plan.outputs(
-          results, (), apply_updates=False))
+          results, ()))
       cache.served(self.key)
       return outputs
 
@@ -1662,7 +1660,7 @@ def extract_internal(xla_model: torch.fx.GraphModule):
         apply_updates(entry, results, args)
       else:
         results = []
-      outputs = plan.assemble(results, args, apply_updates=False)
+      outputs = plan.assemble(results, args)
       cache.served(key)
       return outputs
 
