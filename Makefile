@@ -33,6 +33,9 @@ $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
 	$(PY) -m pip install --upgrade-strategy only-if-needed \
 	  'torch==$(TORCH)' 'torch_xla==$(TORCH_XLA)' -e '.[test,tools]'
+	# The native fast path, built ahead of time (without a C++ compiler the
+	# package runs its Python twins; see torch_xla_patches/native.py).
+	-$(PY) -c 'import sys; from torch_xla_patches import native; sys.exit(native.main())'
 	touch $(STAMP)
 
 demo: $(STAMP)

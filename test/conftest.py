@@ -109,3 +109,20 @@ def patched_bridge():
   fresh()
   yield
   torch_xla_patches.revert()
+
+
+@pytest.fixture(scope='session', autouse=True)
+def native_fast_path():
+  """The native module loaded (built if need be) before any test, so that
+  the whole suite runs one implementation of the per-call work; tests that
+  take `python_twins` run the Python one (test_native.py holds the two to
+  the same answers)."""
+  from torch_xla_patches import native
+  native.helpers()
+
+
+@pytest.fixture
+def python_twins(monkeypatch):
+  """The Python twins of the native module's functions, for one test."""
+  from torch_xla_patches import config
+  monkeypatch.setattr(config, 'native_fast_path', False)

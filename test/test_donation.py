@@ -14,6 +14,19 @@ import torch_xla_patches
 from bridge_testing import cpu_and_xla, run_counters, run_reports
 from torch_xla_patches import CallSpec, TensorSpec, config, dynamo_bridge
 
+
+@pytest.fixture(autouse=True, params=['native', 'python twins'])
+def per_call_work(request, monkeypatch):
+  """Every test twice: the donated buffers' bookkeeping in the native module
+  and in its Python twins (here and in the processes a test starts)."""
+  from torch_xla_patches import native
+  if request.param == 'native' and native.loaded() is None:
+    pytest.skip(f'no native module: {native.unavailable_reason}')
+  if request.param == 'python twins':
+    monkeypatch.setattr(config, 'native_fast_path', False)
+    monkeypatch.setenv('XLA_PATCHES_NATIVE', '0')
+
+
 DONATION_COUNTERS = (dynamo_bridge.COUNTER_DONATED,
                      dynamo_bridge.COUNTER_DONATION_VIEW,
                      dynamo_bridge.COUNTER_DONATION_ALIAS,

@@ -22,7 +22,7 @@ import torch_xla_patches
 LAYERS = (
     ('foundation', {
         'runtime', 'versions', 'config', '_patching', 'io_utils',
-        'torch_internals'
+        'torch_internals', 'native'
     }),
     # What each graph input is, and the per-call key; a served call's
     # structure.

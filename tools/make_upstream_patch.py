@@ -65,6 +65,27 @@ REMOVED = {
     '_clear_pending_irs_on_args': 'pending_ir_restored replaces it',
 }
 
+# Package modules rendered as a stand-in rather than carried, and the
+# stand-in: the native module builds C++ against torch at run time, which
+# torch_xla would do in its own extension (_XLAC) instead.
+STAND_INS = {
+    'native':
+        '''"""The per-call work of a served call in C++: not carried into
+torch_xla, whose own extension (_XLAC) is where it would go. The bridge runs
+its Python twins."""
+
+unavailable_reason = 'not carried into torch_xla'
+
+
+def helpers():
+  return None
+
+
+def loaded():
+  return None
+''',
+}
+
 # Lines a PR author should reword: names and variables of the patch set,
 # prose about "upstream".
 REVIEW_PATTERN = re.compile(r'torch_xla_patches|XLA_PATCHES_|\bupstream\b',
@@ -395,7 +416,9 @@ def render(out_dir: str = DEFAULT_OUT,
   companions = {}
   while queue:
     module = queue.pop(0)
-    if module not in companions and module not in ('config', 'dynamo_bridge'):
+    if module in STAND_INS:
+      companions[module] = STAND_INS[module]
+    elif module not in companions and module not in ('config', 'dynamo_bridge'):
       companions[module], imported = rewrite_imports(
           _read(os.path.join(package_dir, module + '.py')))
       queue += imported

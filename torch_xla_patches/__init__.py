@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from torch_xla_patches import _patching
 from torch_xla_patches import config
+from torch_xla_patches import native
 from torch_xla_patches import torch_internals
 from torch_xla_patches import versions
 from torch_xla_patches.call_spec import CallSpec
@@ -119,6 +120,9 @@ def apply(*,
         eval_frame, 'make_set_enable_dynamic',
         torch_internals.shared_dynamic_config(
             _registry.original(eval_frame, 'make_set_enable_dynamic')))
+    # The per-call work in C++, built here the first time on this machine
+    # and torch release (see [Note: Building the native fast path]).
+    native.helpers()
     if config.automatic_dynamic_shapes:
       _registry.set(dynamo_config, 'automatic_dynamic_shapes', True)
     if not config.cpp_symbolic_shape_guards:

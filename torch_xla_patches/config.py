@@ -324,6 +324,24 @@ serve_check_bound_tensors = _flag('serve_check_bound_tensors',
                                   BOOL,
                                   changes_program=False)
 
+# The served call's per-call work in C++ (native.py, csrc/fast_path.cpp),
+# compiled once per torch release with the machine's C++ compiler. Off, or
+# where it cannot be built, the Python twins run: the same answers, with more
+# host time per served call (README, "The native fast path").
+native_fast_path = _flag('native_fast_path',
+                         'XLA_PATCHES_NATIVE',
+                         True,
+                         BOOL,
+                         changes_program=False)
+
+# Where the native module is built (see native.py); None:
+# ~/.cache/torch_xla_patches/native (or under $XDG_CACHE_HOME).
+native_dir = _flag('native_dir',
+                   'XLA_PATCHES_NATIVE_DIR',
+                   None,
+                   PATH,
+                   changes_program=False)
+
 # dynamo compiles symbolic-shape guards to C++ by default, which runs a C++
 # compiler on the first call of every dynamic graph, with no per-call gain the
 # benchmarks could measure (README). apply() turns it off unless this is set;

@@ -35,7 +35,7 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
                                              get_fallback_ops)
 
 from torch_xla._dynamo import config as upstream_config
-from torch_xla_patches import config, fingerprint, record, signature_index
+from torch_xla_patches import config, fingerprint, native, record, signature_index
 from torch_xla_patches.backlog import Backlog, StartFunction
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput,
@@ -713,8 +713,7 @@ def _was_read(data_id: str) -> bool:
 # its IR (the sync before a trace, the restore after it), which a reader may
 # hold. Oldest first; bounded, as a tensor may be dropped without another
 # run. Guarded by execution_lock.
-_known_data: 'collections.OrderedDict[int, Tuple[str, bool]]' = (
-    collections.OrderedDict())
+_known_data: Dict[int, Tuple[str, bool]] = {}
 _KNOWN_DATA_LIMIT = 4096
 
 
@@ -722,7 +721,7 @@ def _note_data(tensor: torch.Tensor, given: bool) -> None:
   key = torch_xla._XLAC._xla_get_tensor_id(tensor)
   _known_data[key] = (_data_id(tensor), given)
   if len(_known_data) > _KNOWN_DATA_LIMIT:
-    _known_data.popitem(last=False)
+    del _known_data[next(iter(_known_data))]
 
 
 def _maybe_read(tensor: torch.Tensor) -> bool:
@@ -748,23 +747,31 @@ def _given_data(tensor: torch.Tensor,
   return known[1]
 
 
-def _read_donations(tensors: Sequence[torch.Tensor], data_ids: Sequence[str],
-                    copy_if_read: Sequence[bool]) -> List[int]:
-  """Readies the buffers a run is about to take over, of `tensors` (see
-  [Note: Donating in-place updates]): the indices of those read since their
-  data was set, which the run takes a private copy of where `copy_if_read`
-  says so. The device's pending IR is synced first if any other holds data
-  the caller set, or was read where no copy is taken."""
-  read = []
-  sync_readers = False
-  for index, (tensor, data_id) in enumerate(zip(tensors, data_ids)):
-    given = _given_data(tensor, data_id)
-    if given:
-      continue
-    if given is False and copy_if_read[index]:
-      read.append(index)
-    else:
-      sync_readers = True
+def _read_donations(tensors: List[torch.Tensor], data_ids: Optional[List[str]],
+                    copy_if_read: List[bool]) -> List[int]:
+  """Readies the buffers a run is about to take over, of `tensors` (whose
+  _data_id are `data_ids`, or None to read them here) (see [Note: Donating
+  in-place updates]): the indices of those read since their data was set,
+  which the run takes a private copy of where `copy_if_read` says so. The
+  device's pending IR is synced first if any other holds data the caller
+  set, or was read where no copy is taken. The native module decides where
+  it is loaded; its decision is this loop's."""
+  helpers = native.loaded()
+  if helpers is not None:
+    read, sync_readers = helpers.read_donations(tensors, data_ids, copy_if_read,
+                                                _known_data)
+  else:
+    read = []
+    sync_readers = False
+    for index, tensor in enumerate(tensors):
+      data_id = _data_id(tensor) if data_ids is None else data_ids[index]
+      given = _given_data(tensor, data_id)
+      if given:
+        continue
+      if given is False and copy_if_read[index]:
+        read.append(index)
+      else:
+        sync_readers = True
   if sync_readers:
     _sync_pending_readers()
   return read
@@ -847,15 +854,31 @@ def take_result(tensor: torch.Tensor,
   _note_data(result, given=True)
 
 
+def take_results(tensors: List[torch.Tensor], results: List[torch.Tensor],
+                 drop_update_log: bool) -> None:
+  """take_result of each pair, in one native call where the native module
+  is loaded."""
+  helpers = native.loaded()
+  if helpers is not None:
+    helpers.take_results(tensors, results, drop_update_log, _known_data,
+                         _KNOWN_DATA_LIMIT)
+    return
+  for tensor, result in zip(tensors, results):
+    take_result(tensor, result, drop_update_log)
+
+
 def apply_updates(entry: CompiledGraphEntry, results: List[torch.Tensor],
                   args: Sequence[Any]) -> None:
   """The arguments the graph updates in place take their results."""
   donated = entry.donated_positions
+  takers, taken = [], []
   for position, result_index in entry.output_plan.inplace_updates:
     if position in donated:
-      take_result(args[position], results[result_index])
+      takers.append(args[position])
+      taken.append(results[result_index])
     else:
       args[position].copy_(results[result_index])
+  take_results(takers, taken, drop_update_log=True)
 
 
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -1512,20 +1535,21 @@ class BoundProgram:
           _sync_pending_inputs([inputs[slot] for slot, _ in self._free_slots])
         if self._donated:
           donated = [argument.of(free_args) for _, argument in self._donated]
-          for index in _read_donations(donated, [_data_id(t) for t in donated],
-                                       self._copy_if_read):
+          for index in _read_donations(donated, None, self._copy_if_read):
             _increment_counter(COUNTER_DONATION_COPIED_READ, 1)
             inputs[self._donated[index][0]] = _private_copy(donated[index])
         results = run_program(self.graph_hash, inputs)
         self._runs += 1
-        # See [Note: Taking a result].
-        drop_update_log = self._runs % _UPDATE_LOG_RUNS == 0
+        takers, taken = [], []
         for update in self._updates:
           target = update.argument.of(free_args)
           if update.donated:
-            take_result(target, results[update.result_index], drop_update_log)
+            takers.append(target)
+            taken.append(results[update.result_index])
           else:
             target.copy_(results[update.result_index])
+        # See [Note: Taking a result].
+        take_results(takers, taken, self._runs % _UPDATE_LOG_RUNS == 0)
       else:
         results = []
       outputs = (results if self._outputs_are_results else plan.outputs(

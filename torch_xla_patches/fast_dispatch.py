@@ -60,6 +60,7 @@ import torch_xla
 from torch_xla_patches import call_spec
 from torch_xla_patches import config
 from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import native
 from torch_xla_patches import torch_internals
 
 logger = logging.getLogger('torch_xla_patches.serving')
@@ -393,6 +394,9 @@ class ServedCalls:
     self._sharding_of = (torch_xla._XLAC._get_xla_sharding_spec
                          if torch_xla.runtime.is_spmd() else None)
     self._global_hooks = torch_internals.global_module_forward_hooks()
+    # Built here, once per torch release, where it is not yet (see [Note:
+    # Building the native fast path]); learning uses it from then on.
+    native.helpers()
     # Why there is no fast path, once known for good (the captured code).
     self.disabled_reason: Optional[str] = None
     try:
@@ -664,15 +668,21 @@ class BoundTensorCheck:
   """Whether the tensors a plan binds (parameters and buffers) keep the
   dtype, device, shape and strides they had: `.data` and `swap_tensors`
   change them behind the same objects, where no hook sees it. Called on
-  every fast call: one C++ check of dynamo's tensor guards."""
+  every fast call: one C++ call, the native module's metadata where it is
+  loaded, else dynamo's tensor guards."""
 
   def __init__(self, tensors: Sequence[torch.Tensor]):
     self._tensors = list(tensors)
     self._metadata = _metadata(self._tensors)
+    helpers = native.loaded()
+    self._native_metadata = helpers.metadata if helpers else None
+    self._packed = helpers.metadata(self._tensors) if helpers else None
     self._check = (torch_internals.tensor_metadata_check(self._tensors)
-                   if self._tensors else None)
+                   if self._tensors and not helpers else None)
 
   def __call__(self) -> bool:
+    if self._native_metadata is not None:
+      return self._native_metadata(self._tensors) == self._packed
     # The C++ check also compares dispatch keys, which depend on the
     # calling thread's mode (inference_mode excludes autograd's): where it
     # refuses, the metadata itself decides.

@@ -1,0 +1,262 @@
+"""The native fast path (torch_xla_patches/native.py, csrc/fast_path.cpp):
+it builds and loads, each function gives its Python twin's answers, and no
+build or library state can fail a call."""
+import contextlib
+import logging
+import os
+
+import pytest
+import torch
+import torch_xla
+from hypothesis import given, strategies as st
+
+from torch_xla_patches import call_spec, config, dynamo_bridge, fast_dispatch
+from torch_xla_patches import native
+
+pytestmark = pytest.mark.skipif(
+    not config.native_fast_path,
+    reason='XLA_PATCHES_NATIVE=0: the suite runs the Python twins only')
+
+
+@contextlib.contextmanager
+def python_twin():
+  """The Python twins for the block (a fixture would not reset between
+  hypothesis examples)."""
+  config.native_fast_path = False
+  try:
+    yield
+  finally:
+    config.native_fast_path = True
+
+
+def test_the_module_is_built_for_this_torch_and_loaded():
+  module = native.helpers()
+  assert module is not None, native.unavailable_reason
+  assert native.loaded() is module
+  path = native.library_path()
+  assert os.path.exists(path)
+  assert f'torch-{torch.__version__}-' in path
+  with python_twin():
+    assert native.loaded() is None
+
+
+# -- the call key
+
+# A tensor leaf: (shape, dtype, device, requires_grad, parameter).
+tensor_specs = st.tuples(
+    st.sampled_from([(2, 3), (3,), (3, 2), (), (1, 3)]),
+    st.sampled_from([torch.float32, torch.int64, torch.bfloat16]),
+    st.sampled_from(['cpu', 'xla']), st.booleans(), st.booleans())
+
+
+class Unkeyable:
+  """A leaf the key does not know."""
+
+
+constants = st.one_of(st.integers(-3, 3), st.booleans(),
+                      st.sampled_from([0.5, 1.0, -2.0]),
+                      st.sampled_from(['a', 'b', '']), st.none())
+leaf_specs = st.one_of(
+    tensor_specs.map(lambda spec: ('tensor', spec)),
+    constants.map(lambda value: ('constant', value)),
+    st.just(
+        ('unkeyable', None)) | constants.map(lambda value: ('constant', value)))
+structures = st.recursive(
+    leaf_specs,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3).map(lambda items: ('list', items)),
+        st.lists(children, max_size=3).map(lambda items: ('tuple', items)),
+        st.dictionaries(st.sampled_from(['k', 'v', 'w']), children, max_size=3).
+        map(lambda items: ('dict', items))),
+    max_leaves=6)
+calls = st.tuples(
+    st.lists(structures, max_size=3),
+    st.dictionaries(st.sampled_from(['caches', 'positions', 'scale']),
+                    structures,
+                    max_size=3))
+
+
+def make(structure):
+  """The value a structure spec describes, with new tensors."""
+  kind, content = structure
+  if kind == 'tensor':
+    shape, dtype, device, requires_grad, parameter = content
+    device = torch_xla.device() if device == 'xla' else 'cpu'
+    tensor = torch.zeros(shape, dtype=dtype, device=device)
+    if parameter and dtype != torch.int64:
+      return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad and dtype != torch.int64)
+  if kind == 'constant':
+    return content
+  if kind == 'unkeyable':
+    return Unkeyable()
+  if kind == 'dict':
+    return {name: make(item) for name, item in content.items()}
+  items = [make(item) for item in content]
+  return tuple(items) if kind == 'tuple' else items
+
+
+def make_call(spec):
+  args, kwargs = spec
+  return tuple(make(item) for item in args), {
+      name: make(item) for name, item in kwargs.items()
+  }
+
+
+def both_keys(args, kwargs):
+  native_key, native_leaves = call_spec.call_key(args, kwargs)
+  with python_twin():
+    python_key, python_leaves = call_spec.call_key(args, kwargs)
+  assert (native_key is None) == (python_key is None)
+  if native_key is not None:
+    assert len(native_leaves) == len(python_leaves)
+    for ours, theirs in zip(native_leaves, python_leaves):
+      assert ours is theirs or (type(ours) is type(theirs) and ours == theirs)
+    hash(native_key)
+  return native_key, python_key
+
+
+@given(calls, calls)
+def test_native_keys_are_equal_exactly_where_python_keys_are(first, second):
+  one_key, one_python = both_keys(*make_call(first))
+  # The same call with new tensors: the same key.
+  again_key, again_python = both_keys(*make_call(first))
+  assert (one_key == again_key) == (one_python == again_python)
+  if one_key is not None:
+    assert one_key == again_key
+  other_key, other_python = both_keys(*make_call(second))
+  assert (one_key == other_key) == (one_python == other_python)
+
+
+def test_native_keys_tell_apart_what_python_keys_do():
+  a = torch.zeros(2, 3)
+  cases = [
+      ((a,), {}),
+      ((a.long(),), {}),
+      ((torch.zeros(3, 2),), {}),
+      ((torch.zeros(2, 3, device=torch_xla.device()),), {}),
+      ((torch.zeros(2, 3).requires_grad_(),), {}),
+      ((torch.nn.Parameter(torch.zeros(2, 3)),), {}),
+      ((a, 1), {}),
+      ((a, True), {}),
+      ((a, 1.0), {}),
+      ((a, [1]), {}),
+      ((a, (1,)), {}),
+      ((a,), {
+          'n': 1
+      }),
+      ((a,), {
+          'm': 1
+      }),
+      ((a, {
+          'x': 1,
+          'y': 2
+      }), {}),
+      ((a, {
+          'y': 2,
+          'x': 1
+      }), {}),
+  ]
+  keys = [both_keys(*case) for case in cases]
+  for i, (native_i, python_i) in enumerate(keys):
+    for j, (native_j, python_j) in enumerate(keys):
+      assert (native_i == native_j) == (python_i == python_j) == (i == j), (
+          cases[i], cases[j])
+  # Keyword order is not part of either key; a repeated tensor has none.
+  b = torch.ones(2)
+  assert (call_spec.call_key((), {
+      'x': a,
+      'y': b
+  })[0] == call_spec.call_key((), {
+      'y': b,
+      'x': a
+  })[0])
+  assert both_keys((a, [a]), {}) == (None, None)
+  assert both_keys((a, {1, 2}), {}) == (None, None)
+
+
+def test_sharding_is_part_of_the_key():
+  a = torch.zeros(2, 3)
+  specs = iter(['{devices=[2,1]0,1}', '{replicated}'])
+  sharded = call_spec.call_key((a,), {}, lambda tensor: next(specs))[0]
+  replicated = call_spec.call_key((a,), {}, lambda tensor: next(specs))[0]
+  assert sharded != replicated
+
+  def refuses(tensor):
+    raise ValueError('no sharding here')
+
+  with pytest.raises(ValueError, match='no sharding here'):
+    call_spec.call_key((a,), {}, refuses)
+
+
+# -- the bound-tensor check
+
+
+def test_the_bound_tensor_check_sees_what_its_twin_sees():
+  layer = torch.nn.Linear(4, 3).to(torch_xla.device())
+  tensors = [layer.weight, layer.bias]
+  checks = [fast_dispatch.BoundTensorCheck(tensors)]
+  with python_twin():
+    checks.append(fast_dispatch.BoundTensorCheck(tensors))
+  assert [check() for check in checks] == [True, True]
+  weight = layer.weight.data
+  for data, unchanged in [(torch.ones(3, 4), True), (torch.ones(4, 3), False),
+                          (torch.ones(3, 4, dtype=torch.float64), False),
+                          (torch.ones(3, 5), False)]:
+    layer.weight.data = data.to(torch_xla.device())
+    assert [check() for check in checks] == [unchanged, unchanged], data
+  layer.weight.data = weight
+  assert [check() for check in checks] == [True, True]
+
+
+# -- what a build or a library left behind
+
+
+@pytest.fixture
+def fresh_native(monkeypatch, tmp_path):
+  """native.helpers() as in a new process, building into tmp_path."""
+  monkeypatch.setattr(config, 'native_dir', str(tmp_path))
+  monkeypatch.setattr(native, '_tried', False)
+  monkeypatch.setattr(native, '_module', None)
+  monkeypatch.setattr(native, 'unavailable_reason', None)
+  return tmp_path
+
+
+def test_a_failed_build_leaves_the_python_twins(fresh_native, monkeypatch,
+                                                caplog):
+  monkeypatch.setenv('CXX', 'false')
+  with caplog.at_level(logging.WARNING, logger='torch_xla_patches.native'):
+    assert native.helpers() is None
+  assert native.unavailable_reason.startswith('the compiler failed')
+  assert 'no native fast path (the compiler failed' in caplog.text
+  # Said once; no partial library left behind.
+  caplog.clear()
+  assert native.helpers() is None
+  assert caplog.text == ''
+  assert not [name for _, _, names in os.walk(fresh_native) for name in names]
+  # The Python twins serve: the key has their form.
+  a = torch.zeros(2, 3)
+  assert call_spec.call_key((a,), {})[0] == (a.shape, a.dtype, a.device, False)
+
+
+def test_a_damaged_library_is_built_again(fresh_native):
+  path = native.library_path()
+  os.makedirs(os.path.dirname(path))
+  with open(path, 'wb') as f:
+    f.write(b'\x7fELF cut short')
+  module = native.helpers()
+  assert module is not None, native.unavailable_reason
+  a = torch.zeros(2, 3)
+  assert module.call_key((a,), {}, None)[1] == [a]
+  with open(path, 'rb') as f:
+    assert f.read(16) != b'\x7fELF cut short'
+
+
+def test_take_results_and_read_donations_take_lists_of_tensors():
+  module = native.helpers()
+  with pytest.raises(TypeError, match='take_results'):
+    module.take_results([torch.zeros(1)], [], True, {}, 8)
+  with pytest.raises(TypeError, match='take_results'):
+    module.take_results([1], [torch.zeros(1)], True, {}, 8)
+  with pytest.raises(TypeError, match='read_donations'):
+    module.read_donations((torch.zeros(1),), None, [True], {})
