@@ -172,6 +172,14 @@ def test_native_keys_tell_apart_what_python_keys_do():
       'x': a
   })[0])
   assert both_keys((a, [a]), {}) == (None, None)
+  # A structure too deep to key, or a cycle, has no key either.
+  deep, cyclic = [a], [a]
+  for _ in range(64):
+    deep = [deep]
+  cyclic.append(cyclic)
+  assert both_keys((deep,), {}) == (None, None)
+  assert both_keys((deep[0][0],), {})[0] is not None
+  assert both_keys((cyclic,), {}) == (None, None)
   assert both_keys((a, {1, 2}), {}) == (None, None)
 
 

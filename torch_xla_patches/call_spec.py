@@ -261,7 +261,7 @@ def call_key(
       names = tuple(sorted(kwargs))
       parts.append(names)
       for name in names:
-        _walk(kwargs[name], leaves, parts, sharding_of)
+        _walk(kwargs[name], leaves, parts, sharding_of, depth=1)
   except _Unkeyable:
     return None, leaves
   tensors = [id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -274,8 +274,17 @@ class _Unkeyable(Exception):
   pass
 
 
-def _walk(value: Any, leaves: List[Any], parts: List[Any],
-          sharding_of: Optional[ShardingOf]) -> None:
+# Deeper (or cyclic) structures are not keyed: the call takes dynamo's path.
+_MAX_DEPTH = 64
+
+
+def _walk(value: Any,
+          leaves: List[Any],
+          parts: List[Any],
+          sharding_of: Optional[ShardingOf],
+          depth: int = 0) -> None:
+  if depth > _MAX_DEPTH:
+    raise _Unkeyable()
   kind = type(value)
   if isinstance(value, torch.Tensor):
     leaves.append(value)
@@ -289,11 +298,11 @@ def _walk(value: Any, leaves: List[Any], parts: List[Any],
   elif kind is tuple or kind is list:
     parts.append((kind, len(value)))
     for item in value:
-      _walk(item, leaves, parts, sharding_of)
+      _walk(item, leaves, parts, sharding_of, depth + 1)
   elif kind is dict:
     parts.append((dict, tuple(value)))
     for item in value.values():
-      _walk(item, leaves, parts, sharding_of)
+      _walk(item, leaves, parts, sharding_of, depth + 1)
   elif kind in _CONSTANT_TYPES:
     leaves.append(value)
     parts.append((kind, value))

@@ -45,7 +45,7 @@ enum Tag : int64_t {
   kKeywords = 7,
 };
 
-// Deeper structures are not keyed (the call takes dynamo's path).
+// Deeper (or cyclic) structures are not keyed: call_spec._MAX_DEPTH.
 constexpr int kMaxDepth = 64;
 
 // bool, int, float, str, NoneType: call_spec._CONSTANT_TYPES, in order.
