@@ -356,6 +356,10 @@ def served_step(cpu, served, caches, expected, seed):
   torch.testing.assert_close(served(xla(x), xla(slots), caches).cpu(), want)
 
 
+def readers_synced():
+  return met.counter_value(dynamo_bridge.COUNTER_DONATION_READERS_SYNCED) or 0
+
+
 def buffer_pointers(tensors):
   torch_xla.sync()
   return [torch_xla._XLAC._unsafe_buffer_pointer(t) for t in tensors]
@@ -371,8 +375,13 @@ def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
   alias = caches[1].detach()
   # Past two drops of the caches' update logs (see [Note: Taking a result]).
   steps = 2 * dynamo_bridge._UPDATE_LOG_RUNS + 3
+  synced_before = readers_synced()
   for seed in range(steps):
     served_step(cpu, served, caches, expected, seed)
+  # The caller made the caches, so the first step synced the device's
+  # pending IR before taking their buffers; every later step took buffers
+  # its previous run gave them, with no look at the rest of the device.
+  assert readers_synced() - synced_before == 1
   assert buffer_pointers(caches) == pointers
   for cache, reference in zip(caches, expected):
     torch.testing.assert_close(cache.cpu(), reference)

@@ -180,6 +180,9 @@ def test_native_keys_tell_apart_what_python_keys_do():
   assert both_keys((deep,), {}) == (None, None)
   assert both_keys((deep[0][0],), {})[0] is not None
   assert both_keys((cyclic,), {}) == (None, None)
+  # Nor has a call with a tensor that has no sizes.
+  nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+  assert both_keys((a, nested), {}) == (None, None)
   assert both_keys((a, {1, 2}), {}) == (None, None)
 
 
@@ -268,3 +271,10 @@ def test_take_results_and_read_donations_take_lists_of_tensors():
     module.take_results([1], [torch.zeros(1)], True, {}, 8)
   with pytest.raises(TypeError, match='read_donations'):
     module.read_donations((torch.zeros(1),), None, [True], {})
+  with pytest.raises(TypeError, match='one item per tensor'):
+    module.read_donations([torch.zeros(1)], None, [], {})
+  with pytest.raises(TypeError, match='one item per tensor'):
+    module.read_donations([torch.zeros(1)], ['1', '2'], [True], {})
+  # A tensor without sizes or strides never matches a concrete one.
+  nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+  assert module.metadata([nested]) != module.metadata([torch.zeros(2)])

@@ -288,13 +288,17 @@ def _walk(value: Any,
   kind = type(value)
   if isinstance(value, torch.Tensor):
     leaves.append(value)
+    try:
+      shape = value.shape
+    except RuntimeError:
+      # A tensor without sizes (a nested tensor).
+      raise _Unkeyable() from None
     if sharding_of is None:
       parts.append(
-          (kind, value.shape, value.dtype, value.device, value.requires_grad))
+          (kind, shape, value.dtype, value.device, value.requires_grad))
     else:
-      parts.append(
-          (kind, value.shape, value.dtype, value.device, value.requires_grad,
-           sharding_of(value)))
+      parts.append((kind, shape, value.dtype, value.device, value.requires_grad,
+                    sharding_of(value)))
   elif kind is tuple or kind is list:
     parts.append((kind, len(value)))
     for item in value:

@@ -74,6 +74,10 @@ COUNTER_DONATION_ALIAS = 'DynamoDonationSkippedAlias'
 # the run (counted per call).
 COUNTER_DONATION_COPIED = 'DynamoDonationCopiedAlias'
 COUNTER_DONATION_COPIED_READ = 'DynamoDonationCopiedRead'
+# A donating run that synced the device's pending IR first: a donated
+# argument held data the caller set, which any pending computation may read
+# (counted per run; a decode loop's steps after the first do not).
+COUNTER_DONATION_READERS_SYNCED = 'DynamoDonationReadersSynced'
 # COUNTER_PRECOMPILED and COUNTER_PRECOMPILE_SKIPPED: see backlog.py.
 
 _EVICTED_MESSAGE = 'Failed to get computation by hash'
@@ -682,6 +686,7 @@ def _with_donated(traced: TracedGraph, donated: Tuple[int, ...],
 def _sync_pending_readers() -> None:
   """Syncs the pending IR of the device: it may read a buffer a run takes
   over (see [Note: Donating in-place updates])."""
+  _increment_counter(COUNTER_DONATION_READERS_SYNCED, 1)
   torch_xla._XLAC._xla_sync_live_tensors(_device_name(), [], True)
 
 

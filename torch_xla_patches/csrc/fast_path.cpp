@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -85,16 +86,21 @@ int walk(KeyWalk& w, PyObject* value, int depth) {
       }
     }
     const at::Tensor& tensor = THPVariable_Unpack(value);
-    if (tensor.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    try {
+      if (tensor.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+        return 1;
+      }
+      at::IntArrayRef sizes = tensor.sizes();
+      w.bytes.push_back(static_cast<int64_t>(sizes.size()));
+      w.bytes.insert(w.bytes.end(), sizes.begin(), sizes.end());
+      w.bytes.push_back(static_cast<int64_t>(tensor.scalar_type()));
+      w.bytes.push_back(static_cast<int64_t>(tensor.device().type()));
+      w.bytes.push_back(static_cast<int64_t>(tensor.device().index()));
+      w.bytes.push_back(tensor.requires_grad() ? 1 : 0);
+    } catch (const std::exception&) {
+      // A tensor without sizes (a nested tensor): not keyed, as in Python.
       return 1;
     }
-    at::IntArrayRef sizes = tensor.sizes();
-    w.bytes.push_back(static_cast<int64_t>(sizes.size()));
-    w.bytes.insert(w.bytes.end(), sizes.begin(), sizes.end());
-    w.bytes.push_back(static_cast<int64_t>(tensor.scalar_type()));
-    w.bytes.push_back(static_cast<int64_t>(tensor.device().type()));
-    w.bytes.push_back(static_cast<int64_t>(tensor.device().index()));
-    w.bytes.push_back(tensor.requires_grad() ? 1 : 0);
     if (w.sharding_of != Py_None) {
       PyObject* sharding = PyObject_CallOneArg(w.sharding_of, value);
       if (sharding == nullptr) {
@@ -172,6 +178,10 @@ int walk(KeyWalk& w, PyObject* value, int depth) {
 }
 
 bool has_repeated_tensor(const std::vector<PyObject*>& tensors) {
+  if (tensors.size() > 32) {
+    std::unordered_set<PyObject*> seen(tensors.begin(), tensors.end());
+    return seen.size() != tensors.size();
+  }
   for (size_t i = 1; i < tensors.size(); ++i) {
     for (size_t j = 0; j < i; ++j) {
       if (tensors[i] == tensors[j]) {
@@ -283,16 +293,16 @@ PyObject* metadata(PyObject*, PyObject* tensors) {
     bytes.push_back(static_cast<int64_t>(tensor.scalar_type()));
     bytes.push_back(static_cast<int64_t>(tensor.device().type()));
     bytes.push_back(static_cast<int64_t>(tensor.device().index()));
-    if (tensor.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-      // Never equal to a concrete tensor's metadata.
+    try {
+      at::IntArrayRef sizes = tensor.sizes();
+      at::IntArrayRef strides = tensor.strides();
+      bytes.push_back(static_cast<int64_t>(sizes.size()));
+      bytes.insert(bytes.end(), sizes.begin(), sizes.end());
+      bytes.insert(bytes.end(), strides.begin(), strides.end());
+    } catch (const std::exception&) {
+      // Symbolic or no sizes: never equal to a concrete tensor's metadata.
       bytes.push_back(-1);
-      continue;
     }
-    at::IntArrayRef sizes = tensor.sizes();
-    at::IntArrayRef strides = tensor.strides();
-    bytes.push_back(static_cast<int64_t>(sizes.size()));
-    bytes.insert(bytes.end(), sizes.begin(), sizes.end());
-    bytes.insert(bytes.end(), strides.begin(), strides.end());
   }
   Py_DECREF(sequence);
   return PyBytes_FromStringAndSize(
@@ -346,12 +356,21 @@ PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   PyObject* data_ids = argv[1];
   PyObject* copy_if_read = argv[2];
   PyObject* ledger = argv[3];
+  Py_ssize_t count = PyList_GET_SIZE(tensors);
+  if (PyList_GET_SIZE(copy_if_read) != count ||
+      (data_ids != Py_None &&
+       (!PyList_Check(data_ids) || PyList_GET_SIZE(data_ids) != count))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "read_donations: data_ids and copy_if_read need one item "
+                    "per tensor");
+    return nullptr;
+  }
   PyObject* read = PyList_New(0);
   if (read == nullptr) {
     return nullptr;
   }
   bool sync_readers = false;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(tensors); ++i) {
+  for (Py_ssize_t i = 0; i < count; ++i) {
     PyObject* tensor = PyList_GET_ITEM(tensors, i);
     PyObject* data_id = data_ids == Py_None
                             ? PyObject_CallOneArg(data_id_fn, tensor)
