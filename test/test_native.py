@@ -283,5 +283,7 @@ def test_take_results_and_read_donations_take_lists_of_tensors():
     module.read_donations([torch.zeros(1)], None, [], {})
   with pytest.raises(TypeError, match='one item per tensor'):
     module.read_donations([torch.zeros(1)], ['1', '2'], [True], {})
+  with pytest.raises(TypeError, match='a data id is a str'):
+    module.read_donations([torch.zeros(1)], [1], [True], {})
   # A tensor without sizes or strides never matches a concrete one.
   assert module.metadata([nested_tensor()]) != module.metadata([torch.zeros(2)])

@@ -379,6 +379,12 @@ PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
       Py_DECREF(read);
       return nullptr;
     }
+    if (!PyUnicode_Check(data_id)) {
+      Py_DECREF(data_id);
+      Py_DECREF(read);
+      PyErr_SetString(PyExc_TypeError, "read_donations: a data id is a str");
+      return nullptr;
+    }
     // -1 unknown, 0 read, 1 given.
     int given = 0;
     if (!was_read(data_id)) {
