@@ -883,7 +883,8 @@ def apply_updates(entry: CompiledGraphEntry, results: List[torch.Tensor],
       taken.append(results[result_index])
     else:
       args[position].copy_(results[result_index])
-  take_results(takers, taken, drop_update_log=True)
+  if takers:
+    take_results(takers, taken, drop_update_log=True)
 
 
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
@@ -1545,16 +1546,18 @@ class BoundProgram:
             inputs[self._donated[index][0]] = _private_copy(donated[index])
         results = run_program(self.graph_hash, inputs)
         self._runs += 1
-        takers, taken = [], []
-        for update in self._updates:
-          target = update.argument.of(free_args)
-          if update.donated:
-            takers.append(target)
-            taken.append(results[update.result_index])
-          else:
-            target.copy_(results[update.result_index])
-        # See [Note: Taking a result].
-        take_results(takers, taken, self._runs % _UPDATE_LOG_RUNS == 0)
+        if self._updates:
+          takers, taken = [], []
+          for update in self._updates:
+            target = update.argument.of(free_args)
+            if update.donated:
+              takers.append(target)
+              taken.append(results[update.result_index])
+            else:
+              target.copy_(results[update.result_index])
+          if takers:
+            # See [Note: Taking a result].
+            take_results(takers, taken, self._runs % _UPDATE_LOG_RUNS == 0)
       else:
         results = []
       outputs = (results if self._outputs_are_results else plan.outputs(
