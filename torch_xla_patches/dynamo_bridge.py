@@ -395,21 +395,56 @@ def _plan_outputs(
   return graph_tensors, plan
 
 
+def _positions_by_handle(args: Sequence[Any],
+                         positions: Sequence[int]) -> Dict[int, int]:
+  """Device data handle -> position, of the arguments at `positions` that
+  hold device data (see [Note: Matching graph inputs])."""
+  # A run in flight leaves its results a placeholder without a buffer yet.
+  xm.wait_device_ops()
+  tensors = [args[i] for i in positions]
+  pending = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  held = [(position, tensor)
+          for position, tensor, flag in zip(positions, tensors, pending)
+          if not flag]
+  handles = torch_xla._XLAC._get_tensors_handle([t for _, t in held])
+  return {handle: position for (position, _), handle in zip(held, handles)}
+
+
 def _match_graph_inputs(
     graph_tensors: List[torch.Tensor], tensor_id_to_position: Dict[int, int],
-    position_of_arg_data: Dict[int, int]) -> GraphInputMatcher:
-  """Finds where each device-data input of the XLA graph comes from."""
+    position_of_arg_data: Dict[int, int],
+    position_of_handle: Dict[int, int]) -> GraphInputMatcher:
+  """Finds where each device-data input of the XLA graph comes from.
+
+  [Note: Matching graph inputs]
+  Each XLA graph input is a device-data node that names the tensor its data
+  was made for. That is the argument's own id, except under SPMD, where a
+  sync gives a tensor's device data a new one (made for a tensor of the
+  sharding code): matched by id alone, such an argument would be kept as a
+  constant of the program, and every later call would compute with the
+  trace's value. So an input whose id names no argument is matched by its
+  data: by data id, which finds an alias made before the call, then by the
+  handle of the device buffer the arguments held before the trace. Only an
+  input that neither finds is a constant (a tensor the graph made itself,
+  the RNG seed)."""
   # Wait for the sync before tracing to finish before reading device data.
   xm.wait_device_ops()
   input_ids, input_values = torch_xla._XLAC._get_tensors_xla_device_data_node(
       graph_tensors)
   seed_id = torch_xla._XLAC._get_seed_info_id()
   id_to_position = dict(tensor_id_to_position)
+  unmatched = []
   for tensor_id, value in zip(input_ids, input_values):
     if tensor_id not in id_to_position and tensor_id != seed_id:
-      # A tensor sharing its data with an argument (an alias made before
-      # the call) is still that argument, not a constant.
       position = position_of_arg_data.get(_data_id(value))
+      if position is not None:
+        id_to_position[tensor_id] = position
+      else:
+        unmatched.append((tensor_id, value))
+  if unmatched and position_of_handle:
+    handles = torch_xla._XLAC._get_tensors_handle([v for _, v in unmatched])
+    for (tensor_id, _), handle in zip(unmatched, handles):
+      position = position_of_handle.get(handle)
       if position is not None:
         id_to_position[tensor_id] = position
   return GraphInputMatcher(id_to_position, input_ids, input_values)
@@ -440,6 +475,7 @@ def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   tensor_id_to_position = {
       torch_xla._XLAC._xla_get_tensor_id(args[i]): i for i in tensor_positions
   }
+  position_of_handle = _positions_by_handle(args, tensor_positions)
   if dynamo_debug:
     print(f'Graph Module:\n{xla_model.code}')
   outputs = _flatten_outputs(xla_model(*args))
@@ -452,7 +488,7 @@ def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   matcher = GraphInputMatcher({}, (), ())
   if output_plan.num_results:
     matcher = _match_graph_inputs(graph_tensors, tensor_id_to_position,
-                                  position_of_arg_data)
+                                  position_of_arg_data, position_of_handle)
     if dynamo_debug:
       print(f'Number of HLO inputs: {len(matcher.arg_idxs)}, outputs: '
             f'{output_plan.num_results}')
