@@ -271,6 +271,57 @@ def test_a_damaged_library_is_built_again(fresh_native):
     assert f.read(16) != b'\x7fELF cut short'
 
 
+# What the data ledger says of a tensor about to be donated, and whether its
+# data id names an IR node -> the decision (see [Note: Donating in-place
+# updates]).
+DONATION_DECISIONS = {
+    ('nothing', False):
+        'unknown',
+    ('nothing', True):
+        'read',
+    ('given', False):
+        'given',
+    # Given data that came with an IR node of its own (SPMD's results).
+    ('given', True):
+        'unknown',
+    ('read', False):
+        'read',
+    ('read', True):
+        'read',
+    ('other data given', False):
+        'unknown',
+    ('other data given', True):
+        'read',
+}
+
+
+@pytest.mark.parametrize('ledger_entry, has_ir', DONATION_DECISIONS)
+@pytest.mark.parametrize('implementation', ['native', 'python twin'])
+def test_read_donations_decides_as_the_note_says(monkeypatch, ledger_entry,
+                                                 has_ir, implementation):
+  tensor = torch.zeros(2, device=torch_xla.device())
+  data_id = '1234, 0' if has_ir else '1234'
+  key = torch_xla._XLAC._xla_get_tensor_id(tensor)
+  entries = {
+      'given': (data_id, True),
+      'read': (data_id, False),
+      'other data given': ('5678', True),
+  }
+  ledger = {key: entries[ledger_entry]} if ledger_entry in entries else {}
+  if implementation == 'native':
+    read, sync_readers = native.helpers().read_donations([tensor], [data_id],
+                                                         [True], ledger)
+  else:
+    monkeypatch.setattr(dynamo_bridge, '_known_data', ledger)
+    given = dynamo_bridge._given_data(tensor, data_id)
+    read = [0] if given is False else []
+    sync_readers = given is None
+  decision = ('read' if read else 'unknown' if sync_readers else 'given')
+  assert decision == DONATION_DECISIONS[(ledger_entry, has_ir)]
+  # The run about to take the buffer over gives the tensor new data.
+  assert ledger == {}
+
+
 def test_take_results_and_read_donations_take_lists_of_tensors():
   module = native.helpers()
   with pytest.raises(TypeError, match='take_results'):

@@ -535,7 +535,12 @@ def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
 #       - given: it holds, without IR, the data a run gave it (take_result,
 #         noted by the tensor's unique id with its data id), so no one else
 #         holds that buffer: donated as is, with no look at the rest of the
-#         device. A decode loop runs so at every step;
+#         device. A decode loop runs so at every step. Under SPMD a run's
+#         results come with an IR node of their own (torch_xla's, for the
+#         sharding), which reads then build on without changing the data
+#         id: given data that has IR is unknown (below). There a read, copy_
+#         included, is pending IR until a sync computes it into a buffer of
+#         its own, so the sync below leaves no one else the buffer;
 #       - read: it has IR, or its data was noted as read before a sync
 #         dropped its IR (a tensor moved to the device with `to` holds its
 #         data in an IR node until a sync; the sync before a trace and the
@@ -777,15 +782,17 @@ def _given_data(tensor: torch.Tensor,
                 forget: bool = True) -> Optional[bool]:
   """True if `tensor` (whose _data_id is `data_id`) holds data a run gave it
   and nothing read since, False if its data may be read elsewhere, None if
-  unknown (data the caller set). Forgets the tensor's entry unless told not
-  to: the run about to take its buffer over gives it new data."""
-  if _was_read(data_id):
-    return False
+  unknown: data the caller set, or data a run gave that came in an IR node
+  of its own (under SPMD), which reads leave no trace on. Forgets the
+  tensor's entry unless told not to: the run about to take its buffer over
+  gives it new data."""
   key = torch_xla._XLAC._xla_get_tensor_id(tensor)
   known = _known_data.pop(key, None) if forget else _known_data.get(key)
-  if known is None or known[0] != data_id:
-    return None
-  return known[1]
+  if known is not None and known[0] == data_id:
+    if not known[1]:
+      return False
+    return None if _was_read(data_id) else True
+  return False if _was_read(data_id) else None
 
 
 def _read_donations(tensors: List[torch.Tensor], data_ids: Optional[List[str]],

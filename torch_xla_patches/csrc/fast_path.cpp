@@ -339,8 +339,8 @@ int was_read(PyObject* data_id) {
 
 // read_donations(tensors, data_ids | None, copy_if_read, ledger)
 //   -> (indices read and to copy, whether to sync the device's readers)
-// dynamo_bridge._read_donations' decision, the ledger's entries of the
-// tensors whose data was given forgotten.
+// dynamo_bridge._read_donations' decision; the ledger's entries of the
+// tensors are forgotten.
 PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   if (argc != 4 || !PyList_Check(argv[0]) || !PyList_Check(argv[2]) ||
       !PyDict_Check(argv[3])) {
@@ -386,43 +386,45 @@ PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
       return nullptr;
     }
     // -1 unknown, 0 read, 1 given.
-    int given = 0;
-    if (!was_read(data_id)) {
-      given = -1;
-      PyObject* id = PyObject_CallOneArg(tensor_id_fn, tensor);
-      if (id == nullptr) {
-        Py_DECREF(data_id);
-        Py_DECREF(read);
-        return nullptr;
-      }
-      PyObject* known = PyDict_GetItemWithError(ledger, id);
-      if (known != nullptr) {
-        Py_INCREF(known);
-        if (PyDict_DelItem(ledger, id) < 0) {
-          Py_DECREF(known);
-          known = nullptr;
-        }
-      }
-      Py_DECREF(id);
-      if (known == nullptr && PyErr_Occurred()) {
-        Py_DECREF(data_id);
-        Py_DECREF(read);
-        return nullptr;
-      }
-      if (known != nullptr) {
-        int same =
-            PyObject_RichCompareBool(PyTuple_GET_ITEM(known, 0), data_id, Py_EQ);
-        if (same < 0) {
-          Py_DECREF(known);
-          Py_DECREF(data_id);
-          Py_DECREF(read);
-          return nullptr;
-        }
-        if (same) {
-          given = PyObject_IsTrue(PyTuple_GET_ITEM(known, 1)) ? 1 : 0;
-        }
+    bool has_ir = was_read(data_id);
+    int given = has_ir ? 0 : -1;
+    PyObject* id = PyObject_CallOneArg(tensor_id_fn, tensor);
+    if (id == nullptr) {
+      Py_DECREF(data_id);
+      Py_DECREF(read);
+      return nullptr;
+    }
+    PyObject* known = PyDict_GetItemWithError(ledger, id);
+    if (known != nullptr) {
+      Py_INCREF(known);
+      if (PyDict_DelItem(ledger, id) < 0) {
         Py_DECREF(known);
+        known = nullptr;
       }
+    }
+    Py_DECREF(id);
+    if (known == nullptr && PyErr_Occurred()) {
+      Py_DECREF(data_id);
+      Py_DECREF(read);
+      return nullptr;
+    }
+    if (known != nullptr) {
+      int same =
+          PyObject_RichCompareBool(PyTuple_GET_ITEM(known, 0), data_id, Py_EQ);
+      if (same < 0) {
+        Py_DECREF(known);
+        Py_DECREF(data_id);
+        Py_DECREF(read);
+        return nullptr;
+      }
+      if (same) {
+        // Given data that came in an IR node of its own (SPMD) is unknown:
+        // reads leave no trace on it.
+        given = !PyObject_IsTrue(PyTuple_GET_ITEM(known, 1)) ? 0
+                : has_ir                                     ? -1
+                                                             : 1;
+      }
+      Py_DECREF(known);
     }
     Py_DECREF(data_id);
     if (given == 1) {
