@@ -1,8 +1,9 @@
 """Decode loops with a KV cache updated in place: step time and peak memory.
 
   python tools/bench_decode.py [--demo] [--steps 60] [--large-mib 256]
-                               [--huge] [--skip-hf] [--floor]
+                               [--huge] [--skip-hf] [--floor] [--mesh]
   python tools/bench_decode.py --floor --skip-paged --skip-hf   # part 3 only
+  python tools/bench_decode.py --mesh --skip-paged --skip-hf    # part 4 only
 
 Part 1, a paged decode step as vLLM runs it (PagedDecoder below): the decode
 tokens of up to 24 sequences flattened and padded to a bucket of 8, 16 or 32
@@ -84,6 +85,12 @@ caches and a few more): in the loop the caches hold the last step's
 results, and no step should pay it. Every served and floor logit (timed and back-to-back steps), and
 the caches at the end, are compared: the same program gives the same bits.
 
+Part 4 (--mesh), part 1 on a mesh: the same rows and table with each cache
+sharded by slot over 4 virtual CPU devices (CPU_NUM_DEVICES=4, SPMD), the
+step's inputs and the weights replicated, serve()'s buckets saying the
+caches' sharding. Under SPMD every read of a cache is pending IR until a
+sync, so a donating step syncs the device's pending IR before it runs.
+
 All rows of one run are measured side by side; compare them as ratios (the
 machine may be shared).
 """
@@ -105,6 +112,8 @@ import torch
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODES = ('upstream', 'patched', 'serve')
+# Virtual CPU devices of the --mesh rows' SPMD mesh.
+MESH_DEVICES = 4
 BUCKETS = (8, 16, 32)
 # Real decode tokens per step, padded to the bucket at the same index.
 REAL_TOKENS = (6, 12, 24)
@@ -307,8 +316,11 @@ def time_call(fn, *args, **kwargs):
   return result, time.perf_counter() - start, host
 
 
-def serve_paged(model: torch.nn.Module, cache_shape: Sequence[int]) -> Any:
-  """torch_xla_patches.serve(model) with one CallSpec per bucket."""
+def serve_paged(model: torch.nn.Module,
+                cache_shape: Sequence[int],
+                cache_sharding: Any = None) -> Any:
+  """torch_xla_patches.serve(model) with one CallSpec per bucket; the caches
+  sharded as `cache_sharding` says ((mesh, partition spec) or None)."""
   import torch_xla_patches
   from torch_xla_patches import CallSpec, TensorSpec
   buckets = []
@@ -320,15 +332,29 @@ def serve_paged(model: torch.nn.Module, cache_shape: Sequence[int]) -> Any:
                  slot_mapping=index,
                  context_slots=TensorSpec((bucket, CONTEXT), torch.long),
                  context_lens=index,
-                 caches=[TensorSpec(cache_shape)] * LAYERS))
+                 caches=[TensorSpec(cache_shape, sharding=cache_sharding)] *
+                 LAYERS))
   return torch_xla_patches.serve(model, buckets)
 
 
-def paged_row(mode: str, mib: float, warmup: int, steps: int) -> Dict[str, Any]:
-  """One paged-decode row, run in this process (see the module
-  docstring)."""
+def paged_row(mode: str,
+              mib: float,
+              warmup: int,
+              steps: int,
+              on_mesh: bool = False) -> Dict[str, Any]:
+  """One paged-decode row, run in this process (see the module docstring);
+  with `on_mesh`, the caches sharded by slot over every device (SPMD)."""
   import torch_xla
   import torch_xla.core.xla_model as xm
+  cache_sharding = None
+  if on_mesh:
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    xr.use_spmd()
+    devices = xr.global_runtime_device_count()
+    cache_sharding = (xs.Mesh(np.arange(devices), (devices,),
+                              ('slots',)), ('slots', None))
   if mode in ('patched', 'serve'):
     import torch_xla_patches
   if mode == 'patched':
@@ -345,9 +371,12 @@ def paged_row(mode: str, mib: float, warmup: int, steps: int) -> Dict[str, Any]:
   xm.wait_device_ops()
   base_rss = peak_rss_mib()
   caches = [torch.zeros(cache_shape, device=device) for _ in range(LAYERS)]
+  if cache_sharding is not None:
+    for cache in caches:
+      xs.mark_sharding(cache, *cache_sharding)
   torch_xla.sync()
   if mode == 'serve':
-    run = serve_paged(model, cache_shape)
+    run = serve_paged(model, cache_shape, cache_sharding)
   else:
     run = torch.compile(model, backend='openxla', dynamic=True)
   setup_rss = peak_rss_mib()
@@ -708,6 +737,8 @@ def run_row(kind: str, mode: str, size: float, args) -> Dict[str, Any]:
       str(args.floor_rounds)
   ]
   env = dict(os.environ, PJRT_DEVICE='CPU')
+  if kind == 'paged-mesh':
+    env['CPU_NUM_DEVICES'] = str(MESH_DEVICES)
   env['PYTHONPATH'] = os.pathsep.join(
       filter(None, [REPO_ROOT, env.get('PYTHONPATH')]))
   env.setdefault('XLA_PATCHES_PRECOMPILE_PROGRESS', '0')
@@ -734,8 +765,12 @@ def row_main(kind: str, mode: str, size: float, args) -> int:
   """The hidden `--row` entry: one row, printed as one JSON line; an error
   is a row too."""
   try:
-    if kind == 'paged':
-      result = paged_row(mode, size, args.warmup, args.steps)
+    if kind in ('paged', 'paged-mesh'):
+      result = paged_row(mode,
+                         size,
+                         args.warmup,
+                         args.steps,
+                         on_mesh=kind == 'paged-mesh')
     elif kind == 'floor':
       # A floor row's mode is its count of other live tensors.
       result = floor_row(size, int(mode), args.warmup, args.steps,
@@ -891,6 +926,10 @@ def main() -> int:
                       help='other live XLA tensors during part 3, one row '
                       'each (400: about a 7B Llama\'s parameters and KV '
                       'caches)')
+  parser.add_argument('--mesh',
+                      action='store_true',
+                      help='also part 4: part 1 with the caches sharded over '
+                      f'a mesh of {MESH_DEVICES} virtual devices')
   parser.add_argument('--skip-hf', action='store_true')
   parser.add_argument('--skip-paged', action='store_true')
   parser.add_argument('--row', nargs=3, help=argparse.SUPPRESS)
@@ -935,6 +974,17 @@ def main() -> int:
         f'{HF_PROMPT}, {args.hf_tokens} new tokens; median decode step of '
         f'{args.hf_runs} generate call(s) after 2; one fresh process per row\n'
     ] + hf_table(results, lengths)
+  if args.mesh:
+    sizes = [args.small_mib, args.large_mib]
+    results = {
+        (mode, size): run_row('paged-mesh', mode, size, args) for mode in MODES
+        for size in sizes
+    }
+    output += [
+        f'\nPaged decode on a mesh: part 1\'s rows with each cache sharded by '
+        f'slot over {MESH_DEVICES} virtual CPU devices (SPMD), the step\'s '
+        'inputs and the weights replicated; one fresh process per row\n'
+    ] + paged_table(results, sizes)
   if args.floor:
     sizes = [args.small_mib, args.large_mib]
     results = {
