@@ -72,10 +72,19 @@ def steps(compiled, rows, calls=3, width=8, seed=0, before_call=None):
 
 def test_an_argument_updated_in_place_is_donated(patched_bridge):
   compiled = torch.compile(write_rows, backend='openxla', dynamic=True)
+  synced_before = readers_synced()
   steps(compiled, rows=16)
   steps(compiled, rows=24)
-  # One donated argument per traced signature.
-  assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 2}
+  # One donated argument per traced signature. Each cache was moved to the
+  # device with `to`, which reads as read: its first run takes a private
+  # copy. The graph updates the cache itself (AOTAutograd keeps an inference
+  # graph's updates in it), so every later run donates the buffer the last
+  # one gave, with no look at the rest of the device.
+  assert donation_counters() == {
+      dynamo_bridge.COUNTER_DONATED: 2,
+      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2
+  }
+  assert readers_synced() == synced_before
 
 
 def test_views_aliases_and_pending_readers_see_what_eager_sees(patched_bridge):
@@ -86,16 +95,22 @@ def test_views_aliases_and_pending_readers_see_what_eager_sees(patched_bridge):
     # A view, an alias and a lazy value read before the call.
     seen[call] = (cache[:4], cache.detach(), cache * 1, cache.cpu())
 
+  synced_before = readers_synced()
   cache, expected = steps(compiled, rows=16, before_call=keep_readers)
   view, alias, pending, before = seen[2]
   torch.testing.assert_close(view.cpu(), expected[:4])
   torch.testing.assert_close(alias.cpu(), expected)
-  # The pending value was computed from the buffer the call donated.
+  # The pending value kept the buffer it read.
   torch.testing.assert_close(pending.cpu(), before)
-  # AOTAutograd's epilogue writes the cache back with `copy_`, which leaves
-  # it read at every call: the device's pending IR is synced before each
-  # run instead of a copy.
-  assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 1}
+  # The readers made before the second and third calls were reads: each of
+  # those runs took a private copy. The first call traced the cache it was
+  # handed (synced by the trace) and synced the device's pending IR, which
+  # held the first readers, before its run.
+  assert donation_counters() == {
+      dynamo_bridge.COUNTER_DONATED: 1,
+      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2
+  }
+  assert readers_synced() - synced_before == 1
 
 
 def test_a_view_argument_is_copied_and_counted(patched_bridge):
@@ -151,7 +166,12 @@ def test_a_buffer_updated_in_place_is_donated(patched_bridge):
       x = torch.randn(batch, 8)
       torch.testing.assert_close(compiled(xla(x)).cpu(), cpu(x))
       torch.testing.assert_close(model.total.cpu(), cpu.total)
-  assert donation_counters() == {dynamo_bridge.COUNTER_DONATED: 2}
+  # The buffer moved to the device with `to` read as read: the first run
+  # took a private copy; every later one donated the buffer the last gave.
+  assert donation_counters() == {
+      dynamo_bridge.COUNTER_DONATED: 2,
+      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 1
+  }
 
 
 def test_a_model_that_calls_the_donor_op_keeps_working(patched_bridge):

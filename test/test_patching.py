@@ -9,7 +9,7 @@ import torch_xla._dynamo.dynamo_bridge as upstream_bridge
 import torch_xla.core.dynamo_bridge as core_bridge
 
 import torch_xla_patches
-from torch_xla_patches import _patching, config, dynamo_bridge, serialization, versions
+from torch_xla_patches import _patching, config, dynamo_bridge, serialization, torch_internals, versions
 
 UPSTREAM_EXTRACT = upstream_bridge.extract_compiled_graph
 
@@ -101,6 +101,20 @@ def test_serializable_backend_registered_only_with_torch_aot_compile():
           in registry._COMPILER_FNS) == (versions.has_torch_aot_compile())
   torch_xla_patches.revert()
   assert serialization.BACKEND_NAME not in registry._COMPILER_FNS
+
+
+def test_openxla_keeps_inference_updates_in_the_graph_until_revert(monkeypatch):
+  original = torch._dynamo.lookup_backend('openxla')
+  torch_xla_patches.apply()
+  backend = torch._dynamo.lookup_backend('openxla')
+  assert isinstance(backend, torch_internals.InferenceUpdatesInGraph)
+  assert backend.openxla is original
+  torch_xla_patches.revert()
+  assert torch._dynamo.lookup_backend('openxla') is original
+  # XLA_PATCHES_DONATE=0: torch's backend as it is.
+  monkeypatch.setattr(config, 'donate_inplace_updates', False)
+  torch_xla_patches.apply()
+  assert torch._dynamo.lookup_backend('openxla') is original
 
 
 def test_changed_bridge_signature_is_refused(monkeypatch):

@@ -7,6 +7,7 @@ replaces `extract_compiled_graph` of torch_xla's dynamo bridge with the one in
 `torch_xla_patches.dynamo_bridge`. `revert()` restores everything apply()
 changed.
 """
+import functools
 import logging
 import os
 import sys
@@ -87,6 +88,8 @@ def apply(*,
             f'torch_xla_patches cannot patch {target.describe()}: expected a '
             'function, found nothing.')
       _patching.check_signature(target, current, ('xla_model', 'xla_args'))
+    backends = torch_internals.backend_registry()
+    openxla = torch_internals.openxla_backend()
     index_dir = config.cache_dir if cache_dir is None else os.fspath(cache_dir)
     if persistent_executables is None:
       persistent_executables = config.persistent_executables
@@ -107,7 +110,12 @@ def apply(*,
       _registry.set(module, 'extract_compiled_graph',
                     dynamo_bridge.extract_compiled_graph)
     # AOTAutograd's in-place updates of inputs, for buffer donation (see
-    # [Note: Donating in-place updates]).
+    # [Note: Donating in-place updates]): kept in inference graphs, recorded
+    # where the epilogue still writes them (training graphs).
+    if config.donate_inplace_updates:
+      backends['openxla'] = torch_internals.InferenceUpdatesInGraph(openxla)
+      _registry.on_revert(
+          functools.partial(backends.__setitem__, 'openxla', openxla))
     backend_module = torch_internals.xla_backend_module()
     _registry.set(
         backend_module, 'xla_backend_helper',

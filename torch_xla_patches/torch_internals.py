@@ -208,6 +208,56 @@ def _module_defining(module_name: str, function: str) -> Any:
   return module
 
 
+def openxla_backend() -> Any:
+  """The `openxla` backend as dynamo's registry holds it: an AotAutograd
+  compiler object, whose `kwargs` go to aot_module_simplified."""
+  xla_backend_module()  # registers it
+  backend = backend_registry().get('openxla')
+  if not isinstance(getattr(backend, 'kwargs', None), dict):
+    raise _missing('the openxla backend (an AotAutograd with kwargs)')
+  return backend
+
+
+def aot_autograd_backend(**kwargs: Any) -> Any:
+  """A dynamo backend compiling through AOTAutograd with `kwargs`."""
+  return _attribute('torch._dynamo.backends.common', 'aot_autograd')(**kwargs)
+
+
+class InferenceUpdatesInGraph:
+  """The openxla backend, where AOTAutograd keeps an inference graph's
+  in-place updates of inputs in the graph (see [Note: Donating in-place
+  updates] in dynamo_bridge.py).
+
+  By default AOTAutograd turns an in-place update of a graph input into a
+  graph output and a `copy_` into the input after the graph. That `copy_`
+  leaves the input read at every call, so each donating run first syncs the
+  device's pending IR; under SPMD it is a copy of the whole input, computed
+  by the next sync, at every call. Kept in the graph, the update is an
+  in-place op the bridge's trace sees: donated, and taken over as serve()'s
+  updates are. A graph that needs autograd compiles as before: kept there,
+  a buffer update (BatchNorm's running statistics in training) breaks the
+  forward's outputs for torch_xla's bridges, upstream's included.
+
+  Args:
+    openxla: the openxla backend (an AotAutograd compiler object).
+  """
+
+  def __init__(self, openxla: Any):
+    self.openxla = openxla
+    self._inference = aot_autograd_backend(
+        **dict(openxla.kwargs, keep_inference_input_mutations=True))
+
+  def __call__(self, graph_module: Any, example_inputs: Sequence[Any],
+               **kwargs: Any) -> Any:
+    import torch
+    # AOTAutograd's own test for a graph that needs autograd.
+    needs_autograd = torch.is_grad_enabled() and any(
+        isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        for leaf in torch.utils._pytree.tree_leaves(list(example_inputs)))
+    backend = self.openxla if needs_autograd else self._inference
+    return backend(graph_module, example_inputs, **kwargs)
+
+
 def backend_registry() -> Dict[str, Any]:
   """dynamo's {backend name: compiler function} dict."""
   return _attribute('torch._dynamo.backends.registry', '_COMPILER_FNS')
