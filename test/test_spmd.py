@@ -267,7 +267,8 @@ def test_parameters_updated_in_place_reach_every_signature():
 
 
 SHARDED_DECODE_SCRIPT = r"""
-import json
+import json, sys
+sys.path.insert(0, TEST_DIR)
 import numpy as np
 import torch, torch_xla
 import torch_xla.debug.metrics as met
@@ -276,23 +277,9 @@ import torch_xla.runtime as xr
 xr.use_spmd()
 import torch_xla_patches
 from torch_xla_patches import CallSpec, TensorSpec
+from test_donation import LayerCaches
 device = torch_xla.device()
 mesh = xs.Mesh(np.arange(4), (4,), ('data',))
-
-
-class LayerCaches(torch.nn.Module):
-
-  def __init__(self):
-    super().__init__()
-    self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
-
-  def forward(self, x, slots, caches):
-    for layer, cache in zip(self.layers, caches):
-      x = torch.tanh(layer(x))
-      cache.index_copy_(0, slots, x)
-    return x
-
-
 torch.manual_seed(0)
 cpu = LayerCaches()
 model = LayerCaches()
@@ -366,7 +353,8 @@ def test_a_sharded_decode_loop_donates_its_caches(native, front_end):
   in-place updates]); under torch.compile the graph keeps its updates
   (torch_internals.InferenceUpdatesInGraph), so no `copy_` after the run
   copies the caches either."""
-  script = SHARDED_DECODE_SCRIPT.replace('FRONT_END', repr(front_end))
+  script = SHARDED_DECODE_SCRIPT.replace('FRONT_END', repr(front_end)).replace(
+      'TEST_DIR', repr(TEST_DIR))
   proc = run_python(script,
                     env={
                         'CPU_NUM_DEVICES': '4',
