@@ -40,7 +40,7 @@ $(STAMP): setup.py
 
 demo: $(STAMP)
 	$(PY) tools/bench_warmup.py --demo
-	$(PY) tools/bench_decode.py --demo
+	$(PY) tools/bench_decode.py --demo --mesh
 
 # PYTEST_ARGS: e.g. test/test_patching.py, or -k name.
 PYTEST_ARGS ?= test
