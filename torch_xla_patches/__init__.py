@@ -89,7 +89,8 @@ def apply(*,
             'function, found nothing.')
       _patching.check_signature(target, current, ('xla_model', 'xla_args'))
     backends = torch_internals.backend_registry()
-    openxla = torch_internals.openxla_backend()
+    openxla = (torch_internals.openxla_backend()
+               if config.donate_inplace_updates else None)
     index_dir = config.cache_dir if cache_dir is None else os.fspath(cache_dir)
     if persistent_executables is None:
       persistent_executables = config.persistent_executables
@@ -112,7 +113,7 @@ def apply(*,
     # AOTAutograd's in-place updates of inputs, for buffer donation (see
     # [Note: Donating in-place updates]): kept in inference graphs, recorded
     # where the epilogue still writes them (training graphs).
-    if config.donate_inplace_updates:
+    if openxla is not None:
       backends['openxla'] = torch_internals.InferenceUpdatesInGraph(openxla)
       _registry.on_revert(
           functools.partial(backends.__setitem__, 'openxla', openxla))

@@ -558,13 +558,14 @@ def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
 #   * The argument takes its updated data from the run's result
 #     (take_result) as functionalization's in-place ops do, which leaves it
 #     given.
-#   * Under torch.compile, an inference graph keeps its updates (see
-#     torch_internals.InferenceUpdatesInGraph), as dynamo's graph under
-#     serve() does. A graph that needs autograd leaves them to AOTAutograd's
-#     epilogue, which writes them with `copy_` after the run and so leaves
-#     the argument read at every call: for those arguments, the device's
-#     pending IR is synced before the run instead of a copy (and a tensor
-#     that took the argument's data with `copy_` shares it).
+#   * Under torch.compile, an inference graph that AOTAutograd compiles
+#     with keep_inference_input_mutations (the openxla backend as apply()
+#     sets it up) keeps its updates, as dynamo's graph under serve() does.
+#     A graph that needs autograd leaves them to AOTAutograd's epilogue,
+#     which writes them with `copy_` after the run and so leaves the
+#     argument read at every call: for those arguments, the device's pending
+#     IR is synced before the run instead of a copy (and a tensor that took
+#     the argument's data with `copy_` shares it).
 # A view or alias of a donated argument made by torch_xla (`cache[:16]`,
 # `cache.detach()`) follows the argument's new data, as after any run.
 
