@@ -59,8 +59,8 @@ logger = logging.getLogger('torch_xla_patches.serialization')
 __all__ = [
     'ArtifactCorruptError', 'ArtifactError', 'ArtifactMismatchError',
     'BACKEND_NAME', 'CompiledModel', 'XlaSerializableCallable', 'aot_compile',
-    'check', 'load', 'openxla_serializable', 'read_header', 'register_backend',
-    'save', 'unregister_backend'
+    'load', 'openxla_serializable', 'read_header', 'register_backend', 'save',
+    'unregister_backend'
 ]
 
 
