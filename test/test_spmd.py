@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from bridge_testing import run_counters, run_python
-from torch_xla_patches import versions
+from torch_xla_patches import dynamo_bridge, versions
 
 TEST_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -276,7 +276,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 xr.use_spmd()
 import torch_xla_patches
-from torch_xla_patches import CallSpec, TensorSpec
+from torch_xla_patches import CallSpec, TensorSpec, dynamo_bridge
 from test_donation import LayerCaches
 device = torch_xla.device()
 mesh = xs.Mesh(np.arange(4), (4,), ('data',))
@@ -302,8 +302,10 @@ for cache in caches:
   xs.mark_sharding(cache, mesh, ('data', None))
 torch_xla.sync()
 expected = [torch.zeros(32, 8) for _ in range(2)]
-names = ['DynamoDonationCopied', 'DynamoDonationCopiedRead',
-         'DynamoDonationReadersSynced', 'DynamoSignatureMiss']
+names = [dynamo_bridge.COUNTER_DONATION_COPIED,
+         dynamo_bridge.COUNTER_DONATION_COPIED_READ,
+         dynamo_bridge.COUNTER_DONATION_READERS_SYNCED,
+         dynamo_bridge.COUNTER_MISS]
 before = {name: met.counter_value(name) or 0 for name in names}
 errors = []
 kept = []
@@ -379,10 +381,10 @@ def test_a_sharded_decode_loop_donates_its_caches(native, front_end):
     assert report['fast'] is None, report
     misses = 2
   assert report['counters'] == {
-      'DynamoDonationCopied': 0,
-      'DynamoDonationCopiedRead': 0,
-      'DynamoDonationReadersSynced': 8,
-      'DynamoSignatureMiss': misses,
+      dynamo_bridge.COUNTER_DONATION_COPIED: 0,
+      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 0,
+      dynamo_bridge.COUNTER_DONATION_READERS_SYNCED: 8,
+      dynamo_bridge.COUNTER_MISS: misses,
   }, report
   assert report['copies_pending'] == 0, report
 
