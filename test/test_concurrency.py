@@ -368,9 +368,18 @@ def test_swap_tensors_is_refused_on_a_served_model(patched_bridge):
 def test_learned_runs_are_bounded(patched_bridge, monkeypatch):
   monkeypatch.setattr(config, 'max_signatures_per_graph', 2)
   cpu, _, served = served_scaled(batches=(4, 6))
+  assert served.calls.learned_keys() == 2
+  fast = served.calls.fast_calls
+  new_keys = counter(fast_dispatch.COUNTER_FALLBACK_ARGUMENTS)
   for batch in (4, 6, 5, 4, 6, 5):
     check(served, cpu, torch.randn(batch, WIDTH))
-  assert served.calls.learned_keys() <= 2
+  # 4 and 6 were learned by serve(); each later full call learned its key
+  # and dropped the oldest (5 drops 4, 4 drops 6, ...), so after the first
+  # two calls none found its key. Unbounded, 4, 6 and 5 would all be fast
+  # from their second call.
+  assert served.calls.learned_keys() == 2
+  assert served.calls.fast_calls == fast + 2
+  assert counter(fast_dispatch.COUNTER_FALLBACK_ARGUMENTS) == new_keys + 4
 
 
 @needs_fast_path
