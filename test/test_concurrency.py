@@ -162,7 +162,7 @@ def check(served, cpu, x, **tolerances):
   torch.testing.assert_close(served(xla(x)).cpu(), expected, **tolerances)
 
 
-def call_in_thread(fn, *args):
+def call_in_thread(fn, *args, name=None):
   """Starts fn(*args) on a thread; returns (thread, outcome dict)."""
   outcome = {}
 
@@ -172,32 +172,80 @@ def call_in_thread(fn, *args):
     except Exception as e:  # pylint: disable=broad-except
       outcome['error'] = e
 
-  thread = threading.Thread(target=target)
+  thread = threading.Thread(target=target, name=name)
   thread.start()
   return thread, outcome
+
+
+class WatchedLock:
+  """dynamo_bridge.execution_lock, which also says when the thread named
+  `watched` starts to wait for it (another thread holds it)."""
+
+  def __init__(self, lock, watched, progress):
+    self._lock = lock
+    self._watched = watched
+    self._progress = progress
+    self.watched_waited = False
+
+  def __enter__(self):
+    if not self._lock.acquire(blocking=False):
+      if threading.current_thread().name == self._watched:
+        self.watched_waited = True
+        self._progress.set()
+      self._lock.acquire()
+    return self
+
+  def __exit__(self, *exc_info):
+    self._lock.release()
 
 
 @pytest.mark.parametrize('path', [
     pytest.param('fast', marks=needs_fast_path),
     pytest.param('full', marks=needs_fast_path), 'torch.compile'
 ])
-def test_a_call_waits_for_the_execution_lock(patched_bridge, path):
+def test_a_call_waits_for_the_execution_lock(patched_bridge, monkeypatch, path):
   cpu, model, served = served_scaled()
   x = torch.randn(4 if path == 'fast' else 5, WIDTH)
   if path == 'torch.compile':
     served = torch.compile(model, backend='openxla', dynamic=True)
     served(xla(x))
   fast_before = served.calls.fast_calls if path != 'torch.compile' else 0
-  with dynamo_bridge.execution_lock:
-    thread, outcome = call_in_thread(served, xla(x))
-    thread.join(0.5)
+  # Set when the call starts to wait for the lock, or when it ends.
+  progress = threading.Event()
+  lock = WatchedLock(dynamo_bridge.execution_lock, 'served call', progress)
+  monkeypatch.setattr(dynamo_bridge, 'execution_lock', lock)
+  runs = []
+  run_program = dynamo_bridge.run_program
+
+  def counted_run(*args, **kwargs):
+    runs.append(threading.current_thread().name)
+    return run_program(*args, **kwargs)
+
+  monkeypatch.setattr(dynamo_bridge, 'run_program', counted_run)
+
+  def call(x):
+    try:
+      return served(x)
+    finally:
+      progress.set()
+
+  misses = counter(dynamo_bridge.COUNTER_MISS)
+  with lock:
+    thread, outcome = call_in_thread(call, xla(x), name='served call')
+    progress.wait()
     # The call cannot look up, trace or run its program while another
-    # thread holds the lock.
-    assert thread.is_alive()
+    # thread holds the lock: it waits for it, having done none of that.
+    assert lock.watched_waited, outcome
+    assert thread.is_alive() and outcome == {}
+    assert runs == []
+    assert counter(dynamo_bridge.COUNTER_MISS) == misses
   thread.join()
   assert 'error' not in outcome, outcome
   with torch.no_grad():
     torch.testing.assert_close(outcome['result'].cpu(), cpu(x))
+  assert runs == ['served call']
+  # Batch 5 is not a bucket: traced and compiled once the lock was free.
+  assert counter(dynamo_bridge.COUNTER_MISS) == misses + (path == 'full')
   if path == 'fast':
     assert served.calls.fast_calls == fast_before + 1
 
