@@ -8,13 +8,19 @@ setup(
                  'one compiled XLA program per shape signature.'),
     packages=find_packages(
         include=['torch_xla_patches', 'torch_xla_patches.*']),
+    # The native fast path's source, built on the user's machine against
+    # the torch installed there (see [Note: Building the native fast path]
+    # in native.py); a library built here would fit only this torch.
+    package_data={'torch_xla_patches': ['csrc/*.cpp']},
     python_requires='>=3.11,<3.12',
     # The supported (torch, torch_xla) pairs are torch_xla_patches/versions.py's
     # SUPPORTED_PAIRS; `make setup TORCH_XLA=...` installs one exact pair.
-    install_requires=['torch>=2.8.0,<2.10', 'torch_xla>=2.8.0,<2.10'],
+    # torch.utils.cpp_extension.load() builds with ninja.
+    install_requires=['torch>=2.8.0,<2.10', 'torch_xla>=2.8.0,<2.10', 'ninja'],
     entry_points={
         'console_scripts': [
             'torch-xla-patches-cache=torch_xla_patches.cache:main',
+            'torch-xla-patches-native=torch_xla_patches.native:main',
         ],
     },
     extras_require={
