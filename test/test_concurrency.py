@@ -178,25 +178,64 @@ def call_in_thread(fn, *args, name=None):
 
 
 class WatchedLock:
-  """dynamo_bridge.execution_lock, which also says when the thread named
-  `watched` starts to wait for it (another thread holds it)."""
+  """dynamo_bridge.execution_lock, keeping the state of each named thread:
+  'waiting' for the lock (another thread holds it) until it has it, then
+  'running'; a test sets others (`set`) and waits for a state
+  (`wait_until`)."""
 
-  def __init__(self, lock, watched, progress):
+  def __init__(self, lock):
     self._lock = lock
-    self._watched = watched
-    self._progress = progress
-    self.watched_waited = False
+    self._changed = threading.Condition()
+    self.states = {}
+    self._owner = None
+    self._depth = 0
+
+  def set(self, state):
+    with self._changed:
+      self.states[threading.current_thread().name] = state
+      self._changed.notify_all()
+
+  def wait_until(self, predicate):
+    """Until predicate(states) holds."""
+    with self._changed:
+      self._changed.wait_for(lambda: predicate(self.states))
+
+  def held_here(self):
+    return self._owner == threading.get_ident()
 
   def __enter__(self):
     if not self._lock.acquire(blocking=False):
-      if threading.current_thread().name == self._watched:
-        self.watched_waited = True
-        self._progress.set()
+      self.set('waiting')
       self._lock.acquire()
+      self.set('running')
+    self._owner = threading.get_ident()
+    self._depth += 1
     return self
 
   def __exit__(self, *exc_info):
+    self._depth -= 1
+    if not self._depth:
+      self._owner = None
     self._lock.release()
+
+
+def watch_execution_lock(monkeypatch):
+  lock = WatchedLock(dynamo_bridge.execution_lock)
+  monkeypatch.setattr(dynamo_bridge, 'execution_lock', lock)
+  return lock
+
+
+def ending(lock, fn):
+  """fn, which sets its thread's state to 'ended' when it returns or
+  raises."""
+
+  def call(*args):
+    try:
+      return fn(*args)
+    finally:
+      lock.set('ended')
+
+  return call
 
 
 @pytest.mark.parametrize('path', [
@@ -210,10 +249,7 @@ def test_a_call_waits_for_the_execution_lock(patched_bridge, monkeypatch, path):
     served = torch.compile(model, backend='openxla', dynamic=True)
     served(xla(x))
   fast_before = served.calls.fast_calls if path != 'torch.compile' else 0
-  # Set when the call starts to wait for the lock, or when it ends.
-  progress = threading.Event()
-  lock = WatchedLock(dynamo_bridge.execution_lock, 'served call', progress)
-  monkeypatch.setattr(dynamo_bridge, 'execution_lock', lock)
+  lock = watch_execution_lock(monkeypatch)
   runs = []
   run_program = dynamo_bridge.run_program
 
@@ -222,20 +258,16 @@ def test_a_call_waits_for_the_execution_lock(patched_bridge, monkeypatch, path):
     return run_program(*args, **kwargs)
 
   monkeypatch.setattr(dynamo_bridge, 'run_program', counted_run)
-
-  def call(x):
-    try:
-      return served(x)
-    finally:
-      progress.set()
-
   misses = counter(dynamo_bridge.COUNTER_MISS)
   with lock:
-    thread, outcome = call_in_thread(call, xla(x), name='served call')
-    progress.wait()
+    thread, outcome = call_in_thread(ending(lock, served),
+                                     xla(x),
+                                     name='served call')
+    lock.wait_until(lambda states: states.get('served call') in
+                    ('waiting', 'ended'))
     # The call cannot look up, trace or run its program while another
     # thread holds the lock: it waits for it, having done none of that.
-    assert lock.watched_waited, outcome
+    assert lock.states['served call'] == 'waiting', outcome
     assert thread.is_alive() and outcome == {}
     assert runs == []
     assert counter(dynamo_bridge.COUNTER_MISS) == misses
@@ -299,29 +331,43 @@ def test_two_threads_learning_at_once_both_learn(patched_bridge, monkeypatch):
   calls = served.calls
   learned = calls.learned_keys()
   make_run = calls._make_run
-  arrived = [threading.Event(), threading.Event()]
+  lock = watch_execution_lock(monkeypatch)
+  learning = []
+  most_learning = [0]
 
   def make_run_beside_the_other(*args, **kwargs):
-    # Waits (up to a second) for the other thread to be learning too: with
-    # learning one transaction under the lock, it never is, and each learns
-    # in turn; otherwise both start from the same learned state and the
-    # later one drops the other's run.
-    me = 0 if threading.current_thread().name == 'first' else 1
-    arrived[me].set()
-    arrived[1 - me].wait(1.0)
-    return make_run(*args, **kwargs)
+    # Waits until the other thread learns too, waits for the execution lock
+    # this one holds, or has ended. With learning one transaction under the
+    # lock, the other never learns at the same time: each learns in turn.
+    # Otherwise both learn from the same learned state here, and the later
+    # one drops the other's run.
+    me = threading.current_thread().name
+    other = 'second' if me == 'first' else 'first'
+    learning.append(me)
+    most_learning[0] = max(most_learning[0], len(learning))
+    lock.set('learning')
+    lock.wait_until(lambda states: states.get(other) in ('learning', 'ended') or
+                    (states.get(other) == 'waiting' and lock.held_here()))
+    try:
+      return make_run(*args, **kwargs)
+    finally:
+      learning.remove(me)
+      lock.set('running')
 
   monkeypatch.setattr(calls, '_make_run', make_run_beside_the_other)
-  threads = [
-      threading.Thread(target=check,
-                       args=(served, cpu, torch.randn(batch, WIDTH)),
-                       name=name)
-      for batch, name in ((5, 'first'), (7, 'second'))
+  started = [
+      call_in_thread(ending(lock, check),
+                     served,
+                     cpu,
+                     torch.randn(batch, WIDTH),
+                     name=name) for batch, name in ((5, 'first'), (7, 'second'))
   ]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
+  for thread, outcome in started:
     thread.join()
+    assert outcome == {'result': None}, outcome
+  assert [lock.states.get(name) for name in ('first', 'second')
+         ] == ['ended', 'ended']
+  assert most_learning == [1]
   assert calls.learned_keys() == learned + 2
 
 
