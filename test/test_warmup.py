@@ -41,6 +41,8 @@ def test_precompile_then_serve_without_compiling(caplog):
     got = compiled(xla(tokens), table)
     torch.testing.assert_close(got.cpu(), embed_sum(tokens, table.cpu()))
   assert 'CompileTime' not in met.metric_names()
+  # Every call ran a precompiled program (nothing compiled, nothing missed).
+  assert counters()['DynamoSignatureHit'] == len(grid)
   assert counters()['DynamoSignatureMiss'] == 0
   assert frames.frames == 1
 
