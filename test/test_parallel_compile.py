@@ -4,6 +4,7 @@ signatures, or a precompile(), with 2 workers gives the programs, results,
 counters and errors of the serial one."""
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -21,12 +22,22 @@ from bridge_testing import REPO_ROOT, counters, run_python, serve_fresh, xla
 # them all on the first call and serves every size (later processes).
 REPLAY_SCRIPT = r'''
 import hashlib
+import threading
 import torch, torch_xla
 import torch_xla.debug.metrics as met
 import torch_xla_patches
 from bridge_testing import counters
+from torch_xla_patches import dynamo_bridge
 torch_xla_patches.apply(cache_dir=CACHE_DIR)
 device = torch_xla.device()
+compile_graph = dynamo_bridge.compile_graph
+compile_threads = []
+
+def compile_noting_the_thread(graph_tensors):
+  compile_threads.append(threading.current_thread().name)
+  compile_graph(graph_tensors)
+
+dynamo_bridge.compile_graph = compile_noting_the_thread
 
 def fn(x, w1, w2):
   h = torch.nn.functional.gelu(x @ w1)
@@ -44,6 +55,8 @@ for n in SIZES:
 for name, value in counters().items():
   print(name, value)
 print('CompileTime', met.metric_data('CompileTime')[0])
+print('WorkerCompiles',
+      sum(name.startswith('xla-compile') for name in compile_threads))
 '''
 
 SIZES = [3, 4, 5, 6, 7, 9, 10, 11, 12]
@@ -76,6 +89,12 @@ def test_a_replay_with_2_workers_equals_the_serial_replay(tmp_path):
     copy = tmp_path / f'workers-{workers}'
     shutil.copytree(recorded, copy)
     got[workers] = replay(copy, list(reversed(SIZES)), workers)
+  # The serial replay compiled on the calling thread, the other on the pool.
+  worker_compiles = {
+      workers: counters.pop('WorkerCompiles')
+      for workers, (counters, _) in got.items()
+  }
+  assert worker_compiles[1] == 0 and worker_compiles[2] > 0, worker_compiles
   serial_counters, serial_results = got[1]
   assert serial_counters == {
       'DynamoExtractCompiledGraph': 1,
@@ -159,6 +178,30 @@ class SlowCompile:
     self._compile(graph_tensors)
 
 
+class CompileThreads:
+  """compile_graph (or a stand-in for it), noting the thread of each
+  compile: the pool's ('xla-compile_N') with 2 workers, the caller's
+  serially; so a comparison of the two is not of the serial path with
+  itself."""
+
+  def __init__(self, compile_graph):
+    self._compile = compile_graph
+    self.names = []
+
+  def __call__(self, graph_tensors):
+    self.names.append(threading.current_thread().name)
+    self._compile(graph_tensors)
+
+  def on_workers(self):
+    return sum(name.startswith('xla-compile') for name in self.names)
+
+
+def watch_compiles(monkeypatch, compile_graph):
+  threads = CompileThreads(compile_graph)
+  monkeypatch.setattr(dynamo_bridge, 'compile_graph', threads)
+  return threads
+
+
 class FailOnce:
   """compile_graph, raising the first time it compiles a graph whose first
   output has `rows` rows."""
@@ -181,11 +224,11 @@ def test_a_failing_compile_is_raised_or_skipped_as_serially(
   serve_here(mlp, SMALL_SIZES)
   monkeypatch.setattr(config, 'precompile_mode', 'off')
   monkeypatch.setattr(config, 'strict_replay', strict)
-  seen = {}
+  seen, on_workers = {}, {}
   for workers in (1, 2):
     restart(indexed, monkeypatch, workers)
     failing = FailOnce(rows=5)
-    monkeypatch.setattr(dynamo_bridge, 'compile_graph', failing)
+    threads = watch_compiles(monkeypatch, failing)
     compiled = serve_here(mlp, [3])
     cache = the_cache()
     if strict:
@@ -194,10 +237,13 @@ def test_a_failing_compile_is_raised_or_skipped_as_serially(
     else:
       assert cache.drain_backlog() == 5
     assert failing.failed == 1
+    on_workers[workers] = threads.on_workers()
     seen[workers] = (bridge_counters(), cache.backlog_size, hashes(cache))
     # Every size is served right afterwards; 5 is compiled when asked for.
     serve_here(mlp, SMALL_SIZES)
     del compiled
+  # 2 workers compiled on the pool: not the serial path twice.
+  assert on_workers[1] == 0 and on_workers[2] > 0, on_workers
   assert seen[2] == seen[1]
   skipped = seen[1][0][backlog.COUNTER_PRECOMPILE_SKIPPED]
   assert skipped == (0 if strict else 1)
@@ -205,11 +251,11 @@ def test_a_failing_compile_is_raised_or_skipped_as_serially(
 
 def test_a_failing_compile_in_precompile_raises_where_serially(
     patched_bridge, monkeypatch):
-  seen = {}
+  seen, on_workers = {}, {}
   for workers in (1, 2):
     monkeypatch.setattr(config, 'compile_workers', workers)
     failing = FailOnce(rows=5)
-    monkeypatch.setattr(dynamo_bridge, 'compile_graph', failing)
+    threads = watch_compiles(monkeypatch, failing)
     torch._dynamo.reset()
     met.clear_all()
     compiled = torch.compile(mlp, backend='openxla', dynamic=True)
@@ -220,7 +266,10 @@ def test_a_failing_compile_in_precompile_raises_where_serially(
                         [(TensorSpec((n, 8)), w) for n in SMALL_SIZES],
                         progress=False)
     seen[workers] = (bridge_counters(), hashes(the_cache()))
+    on_workers[workers] = threads.on_workers()
     del compiled
+  # 2 workers compiled on the pool: not the serial path twice.
+  assert on_workers[1] == 0 and on_workers[2] > 0, on_workers
   assert len(seen[1][1]) == 2
   assert seen[1][0][dynamo_bridge.COUNTER_MISS] == 3
   assert seen[2] == seen[1]
@@ -234,14 +283,18 @@ def sample(x, w):
 
 def test_traces_with_random_ops_give_the_serial_programs(indexed, monkeypatch):
   serve_here(sample, SMALL_SIZES)
-  monkeypatch.setattr(dynamo_bridge, 'compile_graph', SlowCompile())
-  seen = {}
+  slow = SlowCompile()
+  seen, on_workers = {}, {}
   for workers in (1, 2):
     restart(indexed, monkeypatch, workers)
+    threads = watch_compiles(monkeypatch, slow)
     compiled = serve_here(sample, [3])
     seen[workers] = (bridge_counters(), hashes(the_cache()),
                      torch_xla._XLAC._xla_get_rng_seed())
+    on_workers[workers] = threads.on_workers()
     del compiled
+  # 2 workers compiled on the pool: not the serial path twice.
+  assert on_workers[1] == 0 and on_workers[2] > 0, on_workers
   assert len(seen[1][1]) == len(SMALL_SIZES)
   assert seen[2] == seen[1]
 
@@ -279,15 +332,31 @@ def serve_accumulate(sizes):
 def test_an_inplace_update_of_an_input_gives_eager_results(
     indexed, monkeypatch):
   serve_accumulate(SMALL_SIZES)
-  monkeypatch.setattr(dynamo_bridge, 'compile_graph', SlowCompile())
-  seen = {}
+  slow = SlowCompile()
+  seen, on_workers = {}, {}
+  window_traces = [0]
+  window_trace = dynamo_bridge.CompileWindow.trace
+
+  def counted_trace(*args, **kwargs):
+    window_traces[0] += 1
+    return window_trace(*args, **kwargs)
+
+  monkeypatch.setattr(dynamo_bridge.CompileWindow, 'trace', counted_trace)
   for workers in (1, 2):
     restart(indexed, monkeypatch, workers)
+    threads = watch_compiles(monkeypatch, slow)
+    window_traces[0] = 0
     # The replay before the first call leaves acc as it was, and every size
     # is right afterwards.
     compiled = serve_accumulate([7] + SMALL_SIZES)
     seen[workers] = (bridge_counters(), hashes(the_cache()))
+    on_workers[workers] = (window_traces[0], threads.on_workers())
     del compiled
+  # With 2 workers every recorded signature went through the window, which
+  # compiles a trace that updates an input on the calling thread, after
+  # the compiles in flight (see [Note: Parallel compiles]): none on the
+  # pool.
+  assert on_workers == {1: (0, 0), 2: (len(SMALL_SIZES) - 1, 0)}
   assert seen[1][0][backlog.COUNTER_PRECOMPILED] == len(SMALL_SIZES) - 1
   assert seen[2] == seen[1]
 
@@ -384,9 +453,9 @@ def test_precompile_with_2_workers_equals_the_serial_precompile():
   serial = precompile_in_process(1)
   # The first call compiles two programs here; the repeated size of
   # two_graphs compiles nothing.
-  assert serial[:3] == [
-      'compiles [2, 1, 1, 1, 1, 1]', serial[1], 'compiles [2, 2, 2, 2, 2, 2, 0]'
-  ]
+  assert serial[0] == 'compiles [2, 1, 1, 1, 1, 1]'
+  assert serial[1].startswith('buffers ')
+  assert serial[2] == 'compiles [2, 2, 2, 2, 2, 2, 0]'
   assert 'DynamoSignatureMiss 18' in serial
   parallel = precompile_in_process(2)
   # Every call but the first stopped at its first graph: one claim per new
