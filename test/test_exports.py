@@ -39,17 +39,14 @@ def test_star_import_works(name):
     assert set(namespace) - {'__builtins__'} == set(exported)
 
 
-def test_a_stale_name_is_found():
+def test_a_stale_name_is_found(monkeypatch):
   module = types.ModuleType('stale')
   module.kept = 1
   module.__all__ = ['kept', 'removed']
   assert missing_exports(module) == ['removed']
-  sys.modules['stale_for_test_exports'] = module
-  try:
-    with pytest.raises(AttributeError, match="has no attribute 'removed'"):
-      exec('from stale_for_test_exports import *', {})  # pylint: disable=exec-used
-  finally:
-    del sys.modules['stale_for_test_exports']
+  monkeypatch.setitem(sys.modules, 'stale', module)
+  with pytest.raises(AttributeError, match="has no attribute 'removed'"):
+    exec('from stale import *', {})  # pylint: disable=exec-used
 
 
 if __name__ == '__main__':
