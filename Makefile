@@ -13,6 +13,11 @@ TORCH_FOR_2.9.0 := 2.9.0
 TORCH_FOR_2.8.1 := 2.8.0
 TORCH_FOR_2.8.0 := 2.8.0
 TORCH := $(TORCH_FOR_$(TORCH_XLA))
+# torchvision at the release built for each torch: upstream's test/dynamo
+# (tools/run_upstream_tests.py) imports it.
+TORCHVISION_FOR_2.9.0 := 0.24.0
+TORCHVISION_FOR_2.8.0 := 0.23.0
+TORCHVISION := $(TORCHVISION_FOR_$(TORCH))
 ifeq ($(TORCH),)
 $(error TORCH_XLA=$(TORCH_XLA) is not supported; use 2.9.0, 2.8.1 or 2.8.0)
 endif
@@ -32,7 +37,8 @@ setup: $(STAMP)
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
 	$(PY) -m pip install --upgrade-strategy only-if-needed \
-	  'torch==$(TORCH)' 'torch_xla==$(TORCH_XLA)' -e '.[test,tools]'
+	  'torch==$(TORCH)' 'torch_xla==$(TORCH_XLA)' \
+	  'torchvision==$(TORCHVISION)' -e '.[test,tools]'
 	# The native fast path, built ahead of time (without a C++ compiler the
 	# package runs its Python twins; see torch_xla_patches/native.py).
 	-$(PY) -c 'import sys; from torch_xla_patches import native; sys.exit(native.main())'

@@ -69,6 +69,12 @@ COUNTER_DONATED = 'DynamoDonatedInput'
 # its data with another argument of the trace, ...
 COUNTER_DONATION_VIEW = 'DynamoDonationSkippedView'
 COUNTER_DONATION_ALIAS = 'DynamoDonationSkippedAlias'
+# ... one written eagerly after the parts of a graph partitioned around CPU
+# fallback ops (see [Note: Input updates in a partitioned graph]), ...
+COUNTER_DONATION_FALLBACK = 'DynamoDonationSkippedFallback'
+# ... one AOTAutograd's epilogue writes after the run (a graph that needs
+# autograd), counted per traced signature, ...
+COUNTER_DONATION_EPILOGUE = 'DynamoDonationSkippedEpilogue'
 # ... and a call whose donated argument shares its data with another
 # argument, or was read since its data was set: that argument is copied for
 # the run (counted per call).
@@ -251,11 +257,8 @@ class CompiledGraphEntry:
   # Named form of this entry's signature, for explanations and persistence.
   signature: ShapeSignature
   # Argument positions whose buffers the program takes over (see [Note:
-  # Donating in-place updates]) ...
+  # Donating in-place updates]).
   donated_positions: Tuple[int, ...] = ()
-  # ... and those of them that AOTAutograd's epilogue, not the graph,
-  # updates.
-  updated_by_epilogue: Tuple[int, ...] = ()
 
   @functools.cached_property
   def input_positions(self) -> Tuple[int, ...]:
@@ -268,56 +271,83 @@ class CompiledGraphEntry:
 
 
 @contextlib.contextmanager
-def pending_ir_restored(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+def pending_ir_restored(tensors: Sequence[torch.Tensor],
+                        clear_donor_marks: bool = False) -> Iterator[None]:
   """Runs a trace of the FX graph on real arguments and leaves them as they
-  were, with no pending IR behind, whether the trace returns or raises.
+  were, with no pending IR behind, whether the trace returns or raises (see
+  ArgumentsRestore); yields the restore, for a trace to run again."""
+  restore = ArgumentsRestore.of(tensors, clear_donor_marks)
+  try:
+    yield restore
+  finally:
+    restore()
+    restore.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentsRestore:
+  """Puts the arguments of a trace back as they were before it.
 
   Tracing runs the FX graph on the real arguments, so in-place updates in the
-  graph give them pending IR. Lazy clones (no device copy happens unless
-  used) are copied back into the updated ones, which then hold the device
-  data they had; the clones are then let go. The pending IR of the device is
-  not cleared: other threads' tensors may be pending (see [Note: Threads]).
-  What was read before the trace stays known as read (see _maybe_read).
+  graph give them pending IR, and reads give them an IR node of their device
+  data. Lazy clones (no device copy happens unless used) are copied back
+  into the updated ones, which then hold the device data they had; the
+  clones are let go by release(). An argument the trace only read loses the
+  IR node the read left (nothing but the trace's own IR read it), so it is
+  not taken for one the caller read (see [Note: Donating in-place
+  updates]); what was read before the trace stays known as read (see
+  _maybe_read). The pending IR of the device is not cleared: other threads'
+  tensors may be pending (see [Note: Threads]). With `clear_donor_marks`, a
+  donor mark on the data a tensor gets back is cleared: the bridge's own,
+  of a donating trace; a graph that marks its donors itself keeps its
+  marks, as upstream's bridge leaves them.
   """
-  tensors = list(tensors)
-  read = [_maybe_read(t) for t in tensors]
-  clones = [torch.clone(t) for t in tensors]
-  try:
-    yield functools.partial(_restore, tensors, clones, read)
-  finally:
-    _restore_and_release(tensors, clones, read)
+  tensors: List[torch.Tensor]
+  clones: List[torch.Tensor]
+  # Per tensor: whether something may hold its buffer by having read it.
+  read: List[bool]
+  # Per tensor: whether it had IR before the trace.
+  had_ir: List[bool]
+  clear_donor_marks: bool
 
+  @classmethod
+  def of(cls, tensors: Sequence[torch.Tensor],
+         clear_donor_marks: bool) -> 'ArgumentsRestore':
+    tensors = list(tensors)
+    return cls(tensors=tensors,
+               clones=[torch.clone(t) for t in tensors],
+               read=[_maybe_read(t) for t in tensors],
+               had_ir=[_read_since_set(t) for t in tensors],
+               clear_donor_marks=clear_donor_marks)
 
-def _restore(tensors: List[torch.Tensor], clones: List[torch.Tensor],
-             read: Sequence[bool]) -> None:
-  """Copies each clone back into its tensor if the tensor has pending IR. The
-  copy leaves the tensor's IR a read of its old device data; the sync of
-  those tensors alone makes them that device data again, and runs nothing.
-  The data of a tensor `read` before the trace is noted as read: whatever
-  read it may hold its buffer, which a donating run must not take (see
-  [Note: Donating in-place updates])."""
-  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
-  updated = [(t, c, was_read)
-             for t, c, flag, was_read in zip(tensors, clones, flags, read)
-             if flag]
-  for tensor, clone, _ in updated:
-    tensor.copy_(clone)
-    # A donor mark of the trace (see [Note: Donating in-place updates])
-    # would let the sync below hand the buffer over; a second trace marks
-    # again.
-    torch_xla._XLAC._set_buffer_donation(tensor, False)
-  _sync_alone([tensor for tensor, _, _ in updated])
-  for tensor, _, was_read in updated:
-    if was_read:
-      _note_data(tensor, given=False)
+  def __call__(self) -> None:
+    """Copies each clone back into its tensor if the tensor has pending IR.
+    The copy leaves the tensor's IR a read of its old device data; the sync
+    of those tensors alone (with those the trace only read) makes them that
+    device data again, and runs nothing. The data of a tensor `read` before
+    the trace is noted as read: whatever read it may hold its buffer, which
+    a donating run must not take."""
+    flags = torch_xla._XLAC._check_tensor_need_materialization(self.tensors)
+    updated = [(t, c, was_read) for t, c, flag, was_read in zip(
+        self.tensors, self.clones, flags, self.read) if flag]
+    for tensor, clone, _ in updated:
+      tensor.copy_(clone)
+      # A donor mark of the bridge's trace would let the sync below hand the
+      # buffer over; a second trace marks again.
+      if self.clear_donor_marks:
+        _clear_donor_mark(tensor)
+    read_by_trace = [
+        t for t, flag, had_ir in zip(self.tensors, flags, self.had_ir)
+        if not flag and not had_ir and _read_since_set(t)
+    ]
+    _sync_alone([tensor for tensor, _, _ in updated] + read_by_trace)
+    for tensor, _, was_read in updated:
+      if was_read:
+        _note_data(tensor, given=False)
 
-
-def _restore_and_release(tensors: List[torch.Tensor],
-                         clones: List[torch.Tensor],
-                         read: Sequence[bool]) -> None:
-  """_restore, then lets the clones go."""
-  _restore(tensors, clones, read)
-  del clones[:]
+  def release(self) -> None:
+    """Lets the clones go."""
+    del self.clones[:]
 
 
 def _data_id(tensor: torch.Tensor) -> str:
@@ -562,10 +592,15 @@ def _trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
 #     with keep_inference_input_mutations (the openxla backend as apply()
 #     sets it up) keeps its updates, as dynamo's graph under serve() does.
 #     A graph that needs autograd leaves them to AOTAutograd's epilogue,
-#     which writes them with `copy_` after the run and so leaves the
-#     argument read at every call: for those arguments, the device's pending
-#     IR is synced before the run instead of a copy (and a tensor that took
-#     the argument's data with `copy_` shares it).
+#     which writes them with `copy_` after the run: those arguments are
+#     never donated (counted as COUNTER_DONATION_EPILOGUE). The `copy_`
+#     leaves an argument read at every call, so donating it would cost a
+#     sync of the device's pending IR before every run, and the XLA
+#     compiles of whatever that sync computes: a training step's forward
+#     would be slower than without donation, for buffers (BatchNorm's
+#     running statistics) a few values wide.
+#   * A graph that marks its own donors (torch.ops.xla.dynamo_set_buffer_
+#     donor_, upstream's manual donation) is compiled as written.
 # A view or alias of a donated argument made by torch_xla (`cache[:16]`,
 # `cache.detach()`) follows the argument's new data, as after any run.
 
@@ -577,10 +612,9 @@ MUTATED_INPUTS_META = 'torch_xla_patches_mutated_inputs'
 def record_mutated_inputs(helper: Callable[..., Any]) -> Callable[..., Any]:
   """Wraps torch's `xla_backend_helper` (what the openxla backends call with
   each graph AOTAutograd compiles) so that the graph carries the positions
-  of the inputs AOTAutograd's epilogue updates from its first outputs (see
-  [Note: Donating in-place updates]): AOTAutograd functionalizes an in-place
-  update of an input into an output and a `copy_` after the graph, so the
-  bridge's trace sees no in-place update. The callable it returns, which
+  of the inputs AOTAutograd's epilogue updates from its first outputs,
+  which are never donated (see [Note: Donating in-place updates]): the
+  bridge counts them. The callable it returns, which
   compiles on its first call, holds execution_lock (see [Note: Threads])."""
 
   def xla_backend_helper(model, fake_tensor_inputs, boxed=False):
@@ -674,58 +708,63 @@ def _donatable_positions(args: Sequence[Any], positions: Sequence[int],
   return tuple(donated)
 
 
-def _mark_updated_by_epilogue(xla_model: torch.fx.GraphModule,
-                              args: Sequence[Any],
-                              layout: ArgLayout) -> Tuple[int, ...]:
-  """Marks as buffer donors, before the trace, the arguments AOTAutograd's
-  epilogue updates (see record_mutated_inputs); returns their positions."""
-  if not config.donate_inplace_updates:
-    return ()
-  donated = _donatable_positions(args,
-                                 xla_model.meta.get(MUTATED_INPUTS_META, ()),
-                                 layout)
-  for position in donated:
-    torch_xla._XLAC._set_buffer_donation(args[position], True)
-  return donated
+def _count_epilogue_updates(xla_model: torch.fx.GraphModule) -> None:
+  """Counts, per traced signature, the inputs AOTAutograd's epilogue updates
+  (see record_mutated_inputs): never donated (see [Note: Donating in-place
+  updates])."""
+  updated = xla_model.meta.get(MUTATED_INPUTS_META, ())
+  if updated and config.donate_inplace_updates:
+    _increment_counter(COUNTER_DONATION_EPILOGUE, len(updated))
+
+
+def _sets_own_donors(xla_model: torch.fx.GraphModule) -> bool:
+  """Whether the graph marks buffer donors itself
+  (torch.ops.xla.dynamo_set_buffer_donor_): it is compiled as written."""
+  return any(node.op == 'call_function' and
+             'dynamo_set_buffer_donor_' in str(node.target)
+             for node in xla_model.graph.nodes)
 
 
 def _trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                     layout: ArgLayout, restore: Callable[[], None],
-                    traced: TracedGraph, marked: Tuple[int,
-                                                       ...]) -> TracedGraph:
-  """`traced`, a trace of `xla_model` on `args` whose arguments at `marked`
-  were marked as donors before it (_mark_updated_by_epilogue), with donated
-  buffers (see [Note: Donating in-place updates]): where the graph updates
-  arguments itself, they are marked too and traced again from the
-  arguments `restore` puts back."""
-  donated = marked
+                    traced: TracedGraph) -> TracedGraph:
+  """`traced`, a trace of `xla_model` on `args`, with donated buffers (see
+  [Note: Donating in-place updates]): where the graph updates arguments
+  itself, they are marked as donors and traced again from the arguments
+  `restore` puts back."""
   updated = [
       position for position, _ in traced.entry.output_plan.inplace_updates
   ]
-  if config.donate_inplace_updates and updated:
-    in_graph = _donatable_positions(args, updated, layout)
-    if in_graph:
-      del traced
-      restore()
-      for position in marked + in_graph:
-        torch_xla._XLAC._set_buffer_donation(args[position], True)
-      traced = _trace_graph(xla_model, args, layout)
-      donated = marked + in_graph
-  return _with_donated(traced, donated, marked)
-
-
-def _with_donated(traced: TracedGraph, donated: Tuple[int, ...],
-                  updated_by_epilogue: Tuple[int, ...]) -> TracedGraph:
-  """`traced`, whose trace marked the arguments at `donated` as donors;
-  those at `updated_by_epilogue` are updated by AOTAutograd's epilogue."""
+  if (not config.donate_inplace_updates or not updated or
+      _sets_own_donors(xla_model)):
+    return traced
+  donated = _donatable_positions(args, updated, layout)
+  if not donated:
+    return traced
+  del traced
+  restore()
+  for position in donated:
+    torch_xla._XLAC._set_buffer_donation(args[position], True)
+  traced = _trace_graph(xla_model, args, layout)
+  # An argument the graph writes without reading it (module state set with
+  # `copy_` from another argument) is no input of the program: there is no
+  # buffer to take over, and its result is a buffer of its own.
+  inputs = set(traced.entry.graph_input_matcher.arg_idxs)
+  donated = tuple(position for position in donated if position in inputs)
   if not donated:
     return traced
   _increment_counter(COUNTER_DONATED, len(donated))
   return dataclasses.replace(traced,
                              entry=dataclasses.replace(
-                                 traced.entry,
-                                 donated_positions=donated,
-                                 updated_by_epilogue=updated_by_epilogue))
+                                 traced.entry, donated_positions=donated))
+
+
+def _clear_donor_mark(tensor: torch.Tensor) -> None:
+  """Clears a donor mark the bridge's trace left on `tensor`'s data (only
+  one that is there: torch_xla counts every call that sets a mark, as
+  XlaSetBufferDonation)."""
+  if torch_xla._XLAC._get_buffer_donation(tensor):
+    torch_xla._XLAC._set_buffer_donation(tensor, False)
 
 
 def _sync_pending_readers() -> None:
@@ -830,9 +869,20 @@ def _read_donations(tensors: List[torch.Tensor], data_ids: Optional[List[str]],
 
 
 def _private_copy(tensor: torch.Tensor) -> torch.Tensor:
-  """A copy of `tensor` in a buffer of its own, computed now: a lazy clone
-  is a read of the same device data until a sync computes it."""
-  copy = torch.clone(tensor)
+  """A copy of `tensor` in a buffer of its own, for a donating run (see
+  [Note: Donating in-place updates]). A tensor read since its data was set
+  (it has IR) is copied on the device, as the program without donation
+  would copy it at every call: a lazy clone reads the same device data
+  until a sync computes it. Any other (data noted as read before a sync
+  dropped its IR, as for a tensor just moved with `to`; an alias of
+  another argument) goes through the host, which compiles nothing: XLA
+  compiles a clone per shape, more programs than the calls compile without
+  donation. Under SPMD the copy stays on the device, sharded as the tensor
+  is."""
+  if not _was_read(_data_id(tensor)) and not xr.is_spmd():
+    copy = tensor.cpu().to(tensor.device)
+  else:
+    copy = torch.clone(tensor)
   _sync_alone([copy])
   return copy
 
@@ -841,13 +891,7 @@ def prepare_donating_run(entry: CompiledGraphEntry,
                          args: Sequence[Any]) -> Sequence[Any]:
   """The arguments to run a donating entry with (see [Note: Donating
   in-place updates]): a donated argument whose buffer something else may
-  hold is replaced by a private copy, or, for AOTAutograd's epilogue
-  updates, the device's pending IR is synced."""
-  # The program's aliasing was fixed when it compiled. A donor mark the
-  # trace left on an argument would let a sync hand the argument's buffer
-  # to another computation instead.
-  for position in entry.donated_positions:
-    torch_xla._XLAC._set_buffer_donation(args[position], False)
+  hold is replaced by a private copy."""
   data_ids = {
       position: _data_id(args[position]) for position in entry.input_positions
   }
@@ -860,12 +904,9 @@ def prepare_donating_run(entry: CompiledGraphEntry,
   taken = [
       position for position in entry.donated_positions if position not in copied
   ]
-  # AOTAutograd's epilogue writes its updates with copy_, which leaves them
-  # read at every call: copying them would copy at every call.
-  for index in _read_donations(
-      [args[position] for position in taken],
-      [data_ids[position] for position in taken],
-      [position not in entry.updated_by_epilogue for position in taken]):
+  for index in _read_donations([args[position] for position in taken],
+                               [data_ids[position] for position in taken],
+                               [True] * len(taken)):
     copied[taken[index]] = COUNTER_DONATION_COPIED_READ
   if not copied:
     return args
@@ -944,10 +985,11 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
-  with pending_ir_restored(tensors) as restore:
-    marked = _mark_updated_by_epilogue(xla_model, args, layout)
+  with pending_ir_restored(
+      tensors, clear_donor_marks=not _sets_own_donors(xla_model)) as restore:
+    _count_epilogue_updates(xla_model)
     traced = _trace_donating(xla_model, args, layout, restore,
-                             _trace_graph(xla_model, args, layout), marked)
+                             _trace_graph(xla_model, args, layout))
     if traced.graph_tensors:
       with alias_with_buffer_donor_config():
         compile_graph(traced.graph_tensors)
@@ -1028,17 +1070,16 @@ class CompileWindow:
     (None when it is compiled already, or has nothing to compile)."""
     tensors = [args[i] for i in layout.tensor_positions]
     self._begin_trace(tensors)
-    read = [_maybe_read(t) for t in tensors]
-    clones = [torch.clone(t) for t in tensors]
-    restore = True
+    restore = ArgumentsRestore.of(
+        tensors, clear_donor_marks=not _sets_own_donors(xla_model))
+    restoring = True
     try:
-      marked = _mark_updated_by_epilogue(xla_model, args, layout)
+      _count_epilogue_updates(xla_model)
       traced = _trace_graph(xla_model, args, layout)
       if True not in torch_xla._XLAC._check_tensor_need_materialization(
           tensors):
-        traced = _with_donated(traced, marked, marked)
-        restore = False
-        del clones[:]
+        restoring = False
+        restore.release()
         torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
         if not traced.graph_tensors:
           return traced.entry, None
@@ -1051,9 +1092,7 @@ class CompileWindow:
         return traced.entry, future
       # An in-place update: the serial path, after the compiles in flight.
       self.wait()
-      traced = _trace_donating(
-          xla_model, args, layout,
-          functools.partial(_restore, tensors, clones, read), traced, marked)
+      traced = _trace_donating(xla_model, args, layout, restore, traced)
       if traced.graph_tensors:
         compile_graph(traced.graph_tensors)
       return traced.entry, None
@@ -1062,8 +1101,9 @@ class CompileWindow:
       self.wait()
       raise
     finally:
-      if restore:
-        _restore_and_release(tensors, clones, read)
+      if restoring:
+        restore()
+        restore.release()
 
   @contextlib.contextmanager
   def opened(self) -> Iterator['CompileWindow']:
@@ -1453,15 +1493,14 @@ class SignatureCache:
     arguments of a call) bound to the tensor `args` holds there now (see
     [Note: Bound programs]); None if that signature is not compiled, or if
     its program cannot be bound (it draws a random seed, returns an
-    argument, or takes over an argument AOTAutograd's epilogue updates)."""
+    argument)."""
     key = self.key_of(args)
     with execution_lock:
       entry = self.entries.get(key)
     if entry is None:
       return None
     matcher = entry.graph_input_matcher
-    if (matcher.draws_seed or entry.output_plan.returned_args or
-        entry.updated_by_epilogue):
+    if matcher.draws_seed or entry.output_plan.returned_args:
       return None
     inputs = []
     free_slots = []
@@ -1564,7 +1603,6 @@ class BoundProgram:
     self._free_slots = free_slots
     self._updates = updates
     self._donated = donated
-    # Bound programs take over no epilogue update (see bound_program).
     self._copy_if_read = [True] * len(donated)
     self._output_plan = entry.output_plan
     self._runs = 0
@@ -1789,6 +1827,13 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
     self._watch = _FallbackCounterWatch()
 
   def run_node(self, n: torch.fx.Node):
+    if _is_input_update(n):
+      # See [Note: Input updates in a partitioned graph]: this run only
+      # looks, and an update of a CPU input could not be undone.
+      args, _ = self.fetch_args_kwargs_from_env(n)
+      if not _all_on_xla(args):
+        self._unsupported_nodes.append(n)
+      return args[0]
     result = super().run_node(n)
     if n.op in ('placeholder', 'output'):
       return result
@@ -1809,6 +1854,13 @@ class InputCollector(torch.fx.Interpreter):
     if 'fused_' in target:
       self.fetch_attr(target).xla_args = args
     return super().call_module(target, args, kwargs)
+
+  def run_node(self, n: torch.fx.Node):
+    if _is_input_update(n):
+      # This run only records (see [Note: Input updates in a partitioned
+      # graph]).
+      return self.fetch_args_kwargs_from_env(n)[0][0]
+    return super().run_node(n)
 
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
@@ -1833,7 +1885,11 @@ def partition_fx_graph_for_cpu_fallback(
   if ptxla_debug or dynamo_debug:
     print(f'Dynamo fallback ops are {unsupported_nodes}. Please open a GitHub '
           'issue with the above op lowering requests.')
-  unsupported = set(unsupported_nodes)
+  # See [Note: Input updates in a partitioned graph].
+  input_updates = _input_updates(xla_model.graph)
+  if input_updates:
+    _increment_counter(COUNTER_DONATION_FALLBACK, len(input_updates))
+  unsupported = set(unsupported_nodes) | set(input_updates)
 
   class XlaOperatorSupport(OperatorSupport):
 
@@ -1850,6 +1906,7 @@ def partition_fx_graph_for_cpu_fallback(
   for partition in partitions:
     partition.nodes = topo_sort(partition.nodes)
   partitioned_graph = partitioner.fuse_partitions(partitions)
+  _run_last(partitioned_graph.graph, [node.name for node in input_updates])
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
   with pending_ir_restored(tensor_args):
     InputCollector(partitioned_graph).run(*xla_args)
@@ -1871,6 +1928,47 @@ def partition_fx_graph_for_cpu_fallback(
     # is not an XLA graph at all.
     _increment_counter(COUNTER_FALLBACK_PARTITION, 1)
   return partitioned_graph
+
+
+def _input_updates(graph: torch.fx.Graph) -> List[torch.fx.Node]:
+  """The nodes of `graph` that write a graph input in place (`copy_`), in
+  order.
+
+  [Note: Input updates in a partitioned graph]
+  AOTAutograd, keeping an inference graph's updates of its inputs in the
+  graph (keep_inference_input_mutations), writes them with `copy_` at the
+  graph's end. The partitioner orders nodes by their data dependencies
+  alone, which do not say that an update must follow every read of the
+  input it writes, so a fused part could read an input another part has
+  already written. So in a graph partitioned around CPU fallback ops, the
+  updates are left out of the fused parts and run, in their order, after
+  everything else, as AOTAutograd's epilogue would run them: eagerly, with
+  no donation (counted as COUNTER_DONATION_FALLBACK). The runs that find
+  the unsupported nodes and record the parts' arguments only look: they
+  skip the updates, since one of a CPU input could not be undone.
+  """
+  return [node for node in graph.nodes if _is_input_update(node)]
+
+
+def _is_input_update(node: torch.fx.Node) -> bool:
+  return (node.op == 'call_function' and
+          node.target is torch.ops.aten.copy_.default and
+          isinstance(node.args[0], torch.fx.Node) and
+          node.args[0].op == 'placeholder')
+
+
+def _run_last(graph: torch.fx.Graph, names: Sequence[str]) -> None:
+  """Moves the nodes named `names` (fuse_partitions makes a new graph), in
+  order, then the output node, to the end of `graph`.
+  fuse_partitions orders the nodes topologically, and an output that
+  depends on nothing (a graph whose only effects are updates of its inputs:
+  an optimizer step) can come first, where no node after it would run."""
+  by_name = {node.name: node for node in graph.nodes}
+  output = next(node for node in graph.nodes if node.op == 'output')
+  for node in [by_name[name] for name in names] + [output]:
+    last = next(iter(reversed(graph.nodes)))
+    if last is not node:
+      last.append(node)
 
 
 def _find_unsupported_nodes(xla_model: torch.fx.GraphModule,
