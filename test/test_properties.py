@@ -155,12 +155,14 @@ def test_dynamic_shapes_match_eager_and_compile_once_per_signature(
   assert misses == new_signatures * graphs
   assert compile_count() == misses
 
-  # A repeated signature compiles and traces nothing.
+  # A repeated signature compiles and traces nothing: every call runs its
+  # program.
   met.clear_all()
   for shape in shapes:
     run_and_check(compiled, shape)
   assert compile_count() == 0
   assert (met.counter_value('DynamoSignatureMiss') or 0) == 0
+  assert met.counter_value('DynamoSignatureHit') == len(shapes) * graphs
 
 
 if __name__ == '__main__':
