@@ -1,9 +1,18 @@
 """The native fast path (torch_xla_patches/native.py, csrc/fast_path.cpp):
 it builds and loads, each function gives its Python twin's answers, and no
-build or library state can fail a call."""
+build or library state can fail a call.
+
+The comparisons with the twins need the module built (`make setup` builds
+it; else `torch-xla-patches-native`): without it they skip, saying why,
+rather than compare the twins with themselves, and where a compiler and
+ninja are at hand a module that is not loaded is a failure.
+"""
 import contextlib
 import logging
 import os
+import shutil
+import sys
+import time
 import warnings
 
 import pytest
@@ -38,9 +47,33 @@ def python_twin():
     config.native_fast_path = True
 
 
+def can_build() -> bool:
+  """Whether native.build() has what it needs here."""
+  path = os.pathsep.join(
+      [os.path.dirname(sys.executable),
+       os.environ.get('PATH', os.defpath)])
+  return (shutil.which(os.environ.get('CXX', 'c++')) is not None and
+          shutil.which('ninja', path=path) is not None)
+
+
+@pytest.fixture(scope='module')
+def native_module():
+  """The loaded native module; the test skips where it is not built."""
+  module = native.helpers()
+  if module is None:
+    pytest.skip('the native module is not built, so there is nothing to hold '
+                f'its Python twins to ({native.unavailable_reason})')
+  return module
+
+
 def test_the_module_is_built_for_this_torch_and_loaded():
   module = native.helpers()
-  assert module is not None, native.unavailable_reason
+  if module is None:
+    if not can_build():
+      pytest.skip('no C++ compiler or ninja here to build the native module '
+                  f'({native.unavailable_reason})')
+    pytest.fail('a C++ compiler and ninja are here, but the native module is '
+                f'not loaded: {native.unavailable_reason}')
   assert native.loaded() is module
   path = native.library_path()
   assert os.path.exists(path)
@@ -113,6 +146,7 @@ def make_call(spec):
 
 
 def both_keys(args, kwargs):
+  assert native.loaded() is not None
   native_key, native_leaves = call_spec.call_key(args, kwargs)
   with python_twin():
     python_key, python_leaves = call_spec.call_key(args, kwargs)
@@ -126,7 +160,8 @@ def both_keys(args, kwargs):
 
 
 @given(calls, calls)
-def test_native_keys_are_equal_exactly_where_python_keys_are(first, second):
+def test_native_keys_are_equal_exactly_where_python_keys_are(
+    native_module, first, second):
   one_key, one_python = both_keys(*make_call(first))
   # The same call with new tensors: the same key.
   again_key, again_python = both_keys(*make_call(first))
@@ -137,7 +172,7 @@ def test_native_keys_are_equal_exactly_where_python_keys_are(first, second):
   assert (one_key == other_key) == (one_python == other_python)
 
 
-def test_native_keys_tell_apart_what_python_keys_do():
+def test_native_keys_tell_apart_what_python_keys_do(native_module):
   a = torch.zeros(2, 3)
   cases = [
       ((a,), {}),
@@ -211,7 +246,7 @@ def test_sharding_is_part_of_the_key():
 # -- the bound-tensor check
 
 
-def test_the_bound_tensor_check_sees_what_its_twin_sees():
+def test_the_bound_tensor_check_sees_what_its_twin_sees(native_module):
   layer = torch.nn.Linear(4, 3).to(torch_xla.device())
   tensors = [layer.weight, layer.bias]
   checks = [fast_dispatch.BoundTensorCheck(tensors)]
@@ -233,7 +268,8 @@ def test_the_bound_tensor_check_sees_what_its_twin_sees():
 
 @pytest.fixture
 def fresh_native(monkeypatch, tmp_path):
-  """native.helpers() as in a new process, building into tmp_path."""
+  """native.helpers() as in a new process, with its builds under tmp_path;
+  the process's own module is back afterwards."""
   monkeypatch.setattr(config, 'native_dir', str(tmp_path))
   monkeypatch.setattr(native, '_tried', False)
   monkeypatch.setattr(native, '_module', None)
@@ -241,34 +277,62 @@ def fresh_native(monkeypatch, tmp_path):
   return tmp_path
 
 
+def files_under(directory):
+  return sorted(
+      os.path.relpath(os.path.join(root, name), directory)
+      for root, _, names in os.walk(directory)
+      for name in names)
+
+
 def test_a_failed_build_leaves_the_python_twins(fresh_native, monkeypatch,
                                                 caplog):
   monkeypatch.setenv('CXX', 'false')
+  # Not built: helpers() says so once, and builds nothing.
   with caplog.at_level(logging.WARNING, logger='torch_xla_patches.native'):
     assert native.helpers() is None
-  assert native.unavailable_reason.startswith('the compiler failed')
-  assert 'no native fast path (the compiler failed' in caplog.text
-  # Said once; no partial library left behind.
+  assert native.unavailable_reason.startswith('it is not built')
+  assert native.BUILD_COMMAND in caplog.text
   caplog.clear()
   assert native.helpers() is None
   assert caplog.text == ''
-  assert not [name for _, _, names in os.walk(fresh_native) for name in names]
-  # The Python twins serve: the key has their form.
+  assert files_under(fresh_native) == []
+  # A lock that a stopped build left would hold load() for ever; it goes.
+  lock = os.path.join(native.build_dir(), 'build', 'lock')
+  os.makedirs(os.path.dirname(lock))
+  open(lock, 'w').close()
+  stale = time.time() - native.BUILD_TIMEOUT_SECONDS - 60
+  os.utime(lock, (stale, stale))
+  with pytest.raises(native.BuildError, match='load\\(\\) failed'):
+    native.build(timeout=300)
+  assert not os.path.exists(lock)
+  # No library where helpers() looks, so the Python twins serve: the key
+  # has their form.
+  assert not os.path.exists(native.library_path())
   a = torch.zeros(2, 3)
   assert call_spec.call_key((a,), {})[0] == (a.shape, a.dtype, a.device, False)
 
 
-def test_a_damaged_library_is_built_again(fresh_native):
+def test_a_damaged_library_is_left_and_built_again(fresh_native):
+  # A file cut short where the library goes (a process loads a library once
+  # by its path, so this one must not have loaded it before).
   path = native.library_path()
+  assert path.startswith(str(fresh_native))
+  assert f'torch-{torch.__version__}-' in path
   os.makedirs(os.path.dirname(path))
   with open(path, 'wb') as f:
     f.write(b'\x7fELF cut short')
+  assert native.helpers() is None
+  assert 'does not load' in native.unavailable_reason
+  assert native.BUILD_COMMAND in native.unavailable_reason
+  # The build step replaces it with one that loads.
+  assert native.ensure_built() == path
+  with open(path, 'rb') as f:
+    assert f.read(16) != b'\x7fELF cut short'
+  native.reset()
   module = native.helpers()
   assert module is not None, native.unavailable_reason
   a = torch.zeros(2, 3)
   assert module.call_key((a,), {}, None)[1] == [a]
-  with open(path, 'rb') as f:
-    assert f.read(16) != b'\x7fELF cut short'
 
 
 # What the data ledger says of a tensor about to be donated, and whether its
@@ -297,8 +361,9 @@ DONATION_DECISIONS = {
 
 @pytest.mark.parametrize('ledger_entry, has_ir', DONATION_DECISIONS)
 @pytest.mark.parametrize('implementation', ['native', 'python twin'])
-def test_read_donations_decides_as_the_note_says(monkeypatch, ledger_entry,
-                                                 has_ir, implementation):
+def test_read_donations_decides_as_the_note_says(request, monkeypatch,
+                                                 ledger_entry, has_ir,
+                                                 implementation):
   tensor = torch.zeros(2, device=torch_xla.device())
   data_id = '1234, 0' if has_ir else '1234'
   key = torch_xla._XLAC._xla_get_tensor_id(tensor)
@@ -309,8 +374,9 @@ def test_read_donations_decides_as_the_note_says(monkeypatch, ledger_entry,
   }
   ledger = {key: entries[ledger_entry]} if ledger_entry in entries else {}
   if implementation == 'native':
-    read, sync_readers = native.helpers().read_donations([tensor], [data_id],
-                                                         [True], ledger)
+    module = request.getfixturevalue('native_module')
+    read, sync_readers = module.read_donations([tensor], [data_id], [True],
+                                               ledger)
   else:
     monkeypatch.setattr(dynamo_bridge, '_known_data', ledger)
     given = dynamo_bridge._given_data(tensor, data_id)
@@ -322,8 +388,8 @@ def test_read_donations_decides_as_the_note_says(monkeypatch, ledger_entry,
   assert ledger == {}
 
 
-def test_take_results_and_read_donations_take_lists_of_tensors():
-  module = native.helpers()
+def test_take_results_and_read_donations_take_lists_of_tensors(native_module):
+  module = native_module
   with pytest.raises(TypeError, match='take_results'):
     module.take_results([torch.zeros(1)], [], True, {}, 8)
   with pytest.raises(TypeError, match='take_results'):

@@ -1,16 +1,30 @@
 """The served call's per-call work in C++ (csrc/fast_path.cpp; see [Note: The
-native fast path] there), built here with the machine's C++ compiler.
+native fast path] there): built by an explicit step, loaded if built.
 
 [Note: Building the native fast path]
-The module is compiled against the torch of this process, once per torch
-release, Python and source, into config.native_dir (by default
-~/.cache/torch_xla_patches/native), by `helpers()` on first use (serve()
-and apply() call it) or ahead of time by `native.main()` (`make setup`
-does). Its library is written under a temporary name and renamed, so a
-process never loads a half-written one. Nothing about it can fail a user's
-call: without a compiler, with the flag off (XLA_PATCHES_NATIVE=0), or where
-the build or the load fails, `helpers()` returns None, says why once, and the
-package runs the Python twin of each function, which gives the same answers.
+`torch.utils.cpp_extension.load()` compiles csrc/fast_path.cpp (shipped as
+package data, so a wheel has it) against the torch of the building process,
+with ninja, its file lock and its up-to-date check, into a directory per torch
+build, Python and source under config.native_dir (by default
+~/.cache/torch_xla_patches/native). It runs only when asked:
+`torch-xla-patches-native` (`main()`; `make setup` runs it), or `build()`.
+`helpers()`, which apply() and serve() call, only loads a library that is
+already there, so no call of the package ever waits for a compiler.
+
+* The build runs in a child process. load() numbers a second build of one
+  name in a process (`_fast_path_v1`, whose init function the library does
+  not have), holds its lock until the compiler is done, and has no timeout;
+  a child gets a fresh numbering, and is stopped with its compiler after
+  BUILD_TIMEOUT_SECONDS.
+* The library load() leaves in the build directory is then copied next to
+  it under its import name and renamed into place, so a process never loads
+  a half-written library, nor one that a later build rewrites in place.
+* A lock left by a build that was stopped (load() keeps it in a file) is
+  removed once it is older than any build may run.
+* Nothing about it can fail a user's call: not built, the flag off
+  (XLA_PATCHES_NATIVE=0) or a library that does not load, `helpers()`
+  returns None, says why once, and the package runs the Python twin of each
+  function, which gives the same answers.
 """
 import hashlib
 import importlib.machinery
@@ -18,6 +32,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -25,7 +40,7 @@ import tempfile
 import threading
 import time
 from types import ModuleType
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from torch_xla_patches import config
 
@@ -33,12 +48,32 @@ logger = logging.getLogger('torch_xla_patches.native')
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc',
                       'fast_path.cpp')
-MODULE_NAME = 'torch_xla_patches._fast_path'
+# The extension's name: csrc/fast_path.cpp defines PyInit__fast_path.
+EXTENSION_NAME = '_fast_path'
+MODULE_NAME = 'torch_xla_patches.' + EXTENSION_NAME
+# The command that builds it (setup.py's console script for main()).
+BUILD_COMMAND = 'torch-xla-patches-native'
 # A build that takes longer is stopped (and the Python twins used).
 BUILD_TIMEOUT_SECONDS = 600
+# Flags added to cpp_extension's own (which set no optimization level).
+EXTRA_CFLAGS = ['-O2']
 
+# What the child process runs: load() alone, which builds (or finds the build
+# up to date), imports the library to check it, and prints where it is.
+_BUILDER = '''
+import sys
+from torch.utils import cpp_extension
+name, source, directory = sys.argv[1:]
+module = cpp_extension.load(name=name, sources=[source],
+                            build_directory=directory,
+                            extra_cflags=%r)
+print(module.__file__)
+''' % EXTRA_CFLAGS
+
+# [Note: native module state] One lock guards the three values below:
+# helpers() looks for the library once per process (or after reset()).
 _lock = threading.Lock()
-# The loaded module, once helpers() tried; None if it could not be had.
+# The loaded module, once helpers() looked; None if it could not be had.
 _module: Optional[ModuleType] = None
 _tried = False
 # Why there is no module, once known.
@@ -46,7 +81,7 @@ unavailable_reason: Optional[str] = None
 
 
 class BuildError(RuntimeError):
-  """The native module could not be compiled; the message says why."""
+  """The native module could not be built; the message says why."""
 
 
 def default_dir() -> str:
@@ -55,65 +90,113 @@ def default_dir() -> str:
   return os.path.join(cache_home, 'torch_xla_patches', 'native')
 
 
-def _compile_command(output: str) -> List[str]:
+def _build_key_parts() -> List[Tuple[str, bytes]]:
+  """What a build depends on, by name. The library links against this torch
+  build's C++ API, so any change of torch (its git revision as well as its
+  version), Python, compiler or source needs a build of its own."""
   import torch
-  compiler = os.environ.get('CXX') or shutil.which('c++') or shutil.which('g++')
-  if compiler is None:
-    raise BuildError('no C++ compiler (c++ or g++ on PATH, or CXX)')
-  abi = int(torch.compiled_with_cxx11_abi())
-  root = os.path.dirname(os.path.abspath(torch.__file__))
-  includes = [
-      os.path.join(root, 'include'),
-      os.path.join(root, 'include', 'torch', 'csrc', 'api', 'include'),
-      sysconfig.get_paths()['include']
+  with open(SOURCE, 'rb') as f:
+    source = f.read()
+  return [
+      ('source', source),
+      ('torch', f'{torch.__version__} {torch.version.git_version}'.encode()),
+      ('python',
+       f'{sys.version} {sysconfig.get_config_var("EXT_SUFFIX")}'.encode()),
+      # cpp_extension compiles with $CXX, else c++.
+      ('compiler', os.environ.get('CXX', 'c++').encode()),
+      ('flags', ' '.join(EXTRA_CFLAGS).encode()),
   ]
-  libraries = [os.path.join(root, 'lib')]
-  return ([
-      compiler, '-O2', '-shared', '-fPIC', '-std=c++17',
-      f'-D_GLIBCXX_USE_CXX11_ABI={abi}', '-w'
-  ] + [f'-I{path}' for path in includes] + [SOURCE, '-o', output] +
-          [f'-L{path}' for path in libraries] +
-          [f'-Wl,-rpath,{path}' for path in libraries] +
-          ['-ltorch_python', '-ltorch', '-ltorch_cpu', '-lc10'])
+
+
+def build_dir() -> str:
+  """The directory of this process's build: the library under its import
+  name, and cpp_extension's build directory `build/` beside it."""
+  import torch
+  digest = hashlib.sha256()
+  for name, value in _build_key_parts():
+    digest.update(name.encode())
+    digest.update(hashlib.sha256(value).digest())
+  return os.path.join(config.native_dir or default_dir(),
+                      f'torch-{torch.__version__}-{digest.hexdigest()[:16]}')
 
 
 def library_path() -> str:
   """Where this process's build of the module lives (or will)."""
-  import torch
-  with open(SOURCE, 'rb') as f:
-    digest = hashlib.sha256(f.read())
-  # The command names the compiler, torch's include and library paths and
-  # its ABI; the output name is left out of it.
-  digest.update(' '.join(_compile_command('-')).encode())
-  digest.update(sys.version.encode())
-  suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-  directory = os.path.join(
-      config.native_dir or default_dir(),
-      f'torch-{torch.__version__}-{digest.hexdigest()[:16]}')
-  return os.path.join(directory, '_fast_path' + suffix)
+  return os.path.join(
+      build_dir(), EXTENSION_NAME + importlib.machinery.EXTENSION_SUFFIXES[0])
 
 
-def build() -> str:
-  """Compiles the module unless this build exists; returns its path. Raises
-  BuildError."""
+def _remove_stale_lock(directory: str) -> None:
+  lock = os.path.join(directory, 'lock')
+  try:
+    age = time.time() - os.stat(lock).st_mtime
+  except FileNotFoundError:
+    return
+  # Every build is stopped at BUILD_TIMEOUT_SECONDS, so an older lock is one
+  # that a stopped build left (load() would wait for it for ever).
+  if age > BUILD_TIMEOUT_SECONDS:
+    logger.warning(
+        'torch_xla_patches: removing %s, left %.0f s ago by a build that '
+        'did not finish', lock, age)
+    try:
+      os.remove(lock)
+    except FileNotFoundError:
+      pass
+
+
+def _run_builder(directory: str, timeout: float) -> str:
+  """Runs load() in a child process; returns the library it built."""
+  env = dict(os.environ)
+  # load() runs `ninja` from PATH; a ninja that pip installed next to this
+  # Python is found even where its environment is not activated.
+  env['PATH'] = os.pathsep.join(
+      [os.path.dirname(sys.executable),
+       env.get('PATH', os.defpath)])
+  command = [sys.executable, '-c', _BUILDER, EXTENSION_NAME, SOURCE, directory]
+  try:
+    # A session of its own, so that a stopped build stops its compiler too.
+    child = subprocess.Popen(command,
+                             stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE,
+                             text=True,
+                             env=env,
+                             start_new_session=True)
+  except OSError as e:
+    raise BuildError(f'the build did not start: {e}') from e
+  try:
+    out, err = child.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired as e:
+    os.killpg(child.pid, signal.SIGKILL)
+    child.communicate()
+    raise BuildError(f'the build took more than {timeout:.0f} s') from e
+  lines = out.strip().splitlines()
+  if child.returncode != 0 or not lines:
+    raise BuildError('torch.utils.cpp_extension.load() failed:\n' +
+                     (out + err)[-3000:])
+  return lines[-1]
+
+
+def build(timeout: float = BUILD_TIMEOUT_SECONDS) -> str:
+  """Builds the module unless this build exists; returns its path. Raises
+  BuildError. See [Note: Building the native fast path]. A timeout above
+  BUILD_TIMEOUT_SECONDS is cut to it (the age of a stale lock)."""
+  timeout = min(timeout, BUILD_TIMEOUT_SECONDS)
+  if not os.path.exists(SOURCE):
+    raise BuildError(f'its source {SOURCE} is not installed')
   path = library_path()
   if os.path.exists(path):
     return path
   directory = os.path.dirname(path)
-  os.makedirs(directory, exist_ok=True)
+  work = os.path.join(directory, 'build')
+  os.makedirs(work, exist_ok=True)
+  _remove_stale_lock(work)
+  started = time.monotonic()
+  built = _run_builder(work, timeout)
   handle, partial = tempfile.mkstemp(dir=directory, suffix='.partial')
   os.close(handle)
-  started = time.monotonic()
   try:
-    try:
-      done = subprocess.run(_compile_command(partial),
-                            capture_output=True,
-                            text=True,
-                            timeout=BUILD_TIMEOUT_SECONDS)
-    except (OSError, subprocess.TimeoutExpired) as e:
-      raise BuildError(f'the compiler did not run to the end: {e}') from e
-    if done.returncode != 0:
-      raise BuildError('the compiler failed:\n' + done.stderr[-2000:])
+    # mkstemp's file is private; the library gets the built one's mode.
+    shutil.copy2(built, partial)
     os.replace(partial, path)
   finally:
     if os.path.exists(partial):
@@ -137,26 +220,26 @@ def _load(path: str) -> ModuleType:
   return module
 
 
-def _load_or_rebuild() -> ModuleType:
-  """Loads this process's build; one that exists but does not load (a file
-  cut short or damaged) is built again, once."""
+def _find() -> ModuleType:
+  """Loads this process's build if there is one; raises ImportError saying
+  why not."""
+  if not os.path.exists(SOURCE):
+    raise ImportError(f'its source {SOURCE} is not installed')
   path = library_path()
-  existed = os.path.exists(path)
+  if not os.path.exists(path):
+    raise ImportError(f'it is not built for this torch and Python; '
+                      f'`{BUILD_COMMAND}` builds it')
   try:
-    return _load(build())
-  except ImportError as e:
-    if not existed:
-      raise
-    logger.info('torch_xla_patches: %s does not load (%s); building it again',
-                path, e)
-    os.remove(path)
-    return _load(build())
+    return _load(path)
+  except (ImportError, OSError) as e:
+    raise ImportError(f'{path} does not load ({e}); `{BUILD_COMMAND}` '
+                      'builds it again') from e
 
 
 def helpers() -> Optional[ModuleType]:
-  """The native module, built if need be (see [Note: Building the native
-  fast path]); None where it cannot be had or config.native_fast_path is
-  off."""
+  """The native module if it is built (see [Note: Building the native fast
+  path]); None where it is not, or does not load, or config.native_fast_path
+  is off. Never builds."""
   global _module, _tried, unavailable_reason
   if not config.native_fast_path:
     return None
@@ -164,8 +247,8 @@ def helpers() -> Optional[ModuleType]:
     if not _tried:
       _tried = True
       try:
-        _module = _load_or_rebuild()
-      except (BuildError, ImportError, OSError) as e:
+        _module = _find()
+      except ImportError as e:
         unavailable_reason = str(e)
         logger.warning(
             'torch_xla_patches: no native fast path (%s); served calls run '
@@ -175,17 +258,56 @@ def helpers() -> Optional[ModuleType]:
 
 def loaded() -> Optional[ModuleType]:
   """The native module if this process has it and config.native_fast_path
-  is on; never builds."""
+  is on; never builds, nor looks for a build."""
   return _module if config.native_fast_path else None
 
 
+def reset() -> None:
+  """Forgets what helpers() found, as in a new process (the library stays
+  loaded)."""
+  global _module, _tried, unavailable_reason
+  with _lock:
+    _module, _tried, unavailable_reason = None, False, None
+
+
+def ensure_built(timeout: float = BUILD_TIMEOUT_SECONDS) -> str:
+  """Builds the module if need be and loads it to check it. A library that
+  does not load (a file cut short or damaged) is copied again from the
+  build directory, and if that fails too, built again from nothing. Returns
+  the library's path; raises BuildError."""
+  path = build(timeout)
+  try:
+    _load(path)
+    return path
+  except (ImportError, OSError) as e:
+    logger.warning(
+        'torch_xla_patches: %s does not load (%s); building it '
+        'again', path, e)
+  os.remove(path)
+  try:
+    path = build(timeout)
+    _load(path)
+    return path
+  except (BuildError, ImportError, OSError) as e:
+    logger.warning(
+        'torch_xla_patches: its build directory gives no library '
+        'that loads either (%s); building it from nothing', e)
+  shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+  path = build(timeout)
+  try:
+    _load(path)
+  except (ImportError, OSError) as e:
+    raise BuildError(f'{path} was built but does not load: {e}') from e
+  return path
+
+
 def main() -> int:
-  """Builds the module ahead of time and prints its path (`make setup`)."""
+  """Builds the module ahead of time and prints its path (`make setup`,
+  `torch-xla-patches-native`)."""
   logging.basicConfig(level=logging.INFO, format='%(message)s')
   try:
-    _load_or_rebuild()
-    path = library_path()
-  except (BuildError, ImportError, OSError) as e:
+    path = ensure_built()
+  except BuildError as e:
     print(f'torch_xla_patches: no native fast path: {e}', file=sys.stderr)
     return 1
   print(path)
