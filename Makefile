@@ -34,7 +34,7 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # setup.py allows every supported release; the exact pair is pinned here.
-$(STAMP): setup.py
+$(STAMP): setup.py torch_xla_patches/csrc/fast_path.cpp
 	test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
 	$(PY) -m pip install --upgrade-strategy only-if-needed \
 	  'torch==$(TORCH)' 'torch_xla==$(TORCH_XLA)' \

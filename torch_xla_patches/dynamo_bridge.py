@@ -289,14 +289,10 @@ class ArgumentsRestore:
   """Puts the arguments of a trace back as they were before it.
 
   Tracing runs the FX graph on the real arguments, so in-place updates in the
-  graph give them pending IR, and reads give them an IR node of their device
-  data. Lazy clones (no device copy happens unless used) are copied back
-  into the updated ones, which then hold the device data they had; the
-  clones are let go by release(). An argument the trace only read loses the
-  IR node the read left (nothing but the trace's own IR read it), so it is
-  not taken for one the caller read (see [Note: Donating in-place
-  updates]); what was read before the trace stays known as read (see
-  _maybe_read). The pending IR of the device is not cleared: other threads'
+  graph give them pending IR. Lazy clones (no device copy happens unless
+  used) are copied back into the updated ones, which then hold the device
+  data they had; the clones are let go by release(). What was read before
+  the trace stays known as read (see _maybe_read). The pending IR of the device is not cleared: other threads'
   tensors may be pending (see [Note: Threads]). With `clear_donor_marks`, a
   donor mark on the data a tensor gets back is cleared: the bridge's own,
   of a donating trace; a graph that marks its donors itself keeps its
@@ -306,8 +302,6 @@ class ArgumentsRestore:
   clones: List[torch.Tensor]
   # Per tensor: whether something may hold its buffer by having read it.
   read: List[bool]
-  # Per tensor: whether it had IR before the trace.
-  had_ir: List[bool]
   clear_donor_marks: bool
 
   @classmethod
@@ -317,14 +311,13 @@ class ArgumentsRestore:
     return cls(tensors=tensors,
                clones=[torch.clone(t) for t in tensors],
                read=[_maybe_read(t) for t in tensors],
-               had_ir=[_read_since_set(t) for t in tensors],
                clear_donor_marks=clear_donor_marks)
 
   def __call__(self) -> None:
     """Copies each clone back into its tensor if the tensor has pending IR.
     The copy leaves the tensor's IR a read of its old device data; the sync
-    of those tensors alone (with those the trace only read) makes them that
-    device data again, and runs nothing. The data of a tensor `read` before
+    of those tensors alone makes them that device data again, and runs
+    nothing. The data of a tensor `read` before
     the trace is noted as read: whatever read it may hold its buffer, which
     a donating run must not take."""
     flags = torch_xla._XLAC._check_tensor_need_materialization(self.tensors)
@@ -336,11 +329,7 @@ class ArgumentsRestore:
       # buffer over; a second trace marks again.
       if self.clear_donor_marks:
         _clear_donor_mark(tensor)
-    read_by_trace = [
-        t for t, flag, had_ir in zip(self.tensors, flags, self.had_ir)
-        if not flag and not had_ir and _read_since_set(t)
-    ]
-    _sync_alone([tensor for tensor, _, _ in updated] + read_by_trace)
+    _sync_alone([tensor for tensor, _, _ in updated])
     for tensor, _, was_read in updated:
       if was_read:
         _note_data(tensor, given=False)
