@@ -389,15 +389,10 @@ def test_a_sharded_decode_loop_donates_its_caches(native, front_end):
     # replicates them, a new signature for the second call.
     assert report['fast'] is None, report
     misses = 2
-  # Under torch.compile the first step finds both caches read before its
-  # trace and runs on private copies of them; every later step syncs the
-  # device's pending IR (under SPMD a run's results come with IR of their
-  # own) and copies nothing.
-  copied = 2 if front_end == 'torch.compile' else 0
   assert report['counters'] == {
       dynamo_bridge.COUNTER_DONATION_COPIED: 0,
-      dynamo_bridge.COUNTER_DONATION_COPIED_READ: copied,
-      dynamo_bridge.COUNTER_DONATION_READERS_SYNCED: 8 - copied // 2,
+      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 0,
+      dynamo_bridge.COUNTER_DONATION_READERS_SYNCED: 8,
       dynamo_bridge.COUNTER_MISS: misses,
   }, report
   assert report['copies_pending'] == 0, report

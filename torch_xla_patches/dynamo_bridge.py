@@ -289,10 +289,13 @@ class ArgumentsRestore:
   """Puts the arguments of a trace back as they were before it.
 
   Tracing runs the FX graph on the real arguments, so in-place updates in the
-  graph give them pending IR. Lazy clones (no device copy happens unless
-  used) are copied back into the updated ones, which then hold the device
-  data they had; the clones are let go by release(). What was read before
-  the trace stays known as read (see _maybe_read). The pending IR of the device is not cleared: other threads'
+  graph give them pending IR, and the trace's reads (the clones' too) give
+  them an IR node of their device data. Lazy clones (no device copy happens
+  unless used) are copied back into the updated ones and into those the
+  trace only read (but views, where a copy writes the base), which then
+  hold the device data they had, with no IR: a read by the bridge's own
+  trace is no read by the caller (see [Note: Donating in-place updates]). The clones are let go by release(). What was
+  read before the trace stays known as read (see _maybe_read). The pending IR of the device is not cleared: other threads'
   tensors may be pending (see [Note: Threads]). With `clear_donor_marks`, a
   donor mark on the data a tensor gets back is cleared: the bridge's own,
   of a donating trace; a graph that marks its donors itself keeps its
@@ -302,27 +305,37 @@ class ArgumentsRestore:
   clones: List[torch.Tensor]
   # Per tensor: whether something may hold its buffer by having read it.
   read: List[bool]
+  # Per tensor: whether it had IR before the trace.
+  had_ir: List[bool]
   clear_donor_marks: bool
 
   @classmethod
   def of(cls, tensors: Sequence[torch.Tensor],
          clear_donor_marks: bool) -> 'ArgumentsRestore':
     tensors = list(tensors)
+    # Before the clones: a clone reads its tensor.
+    read = [_maybe_read(t) for t in tensors]
+    had_ir = [_read_since_set(t) for t in tensors]
     return cls(tensors=tensors,
                clones=[torch.clone(t) for t in tensors],
-               read=[_maybe_read(t) for t in tensors],
+               read=read,
+               had_ir=had_ir,
                clear_donor_marks=clear_donor_marks)
 
   def __call__(self) -> None:
-    """Copies each clone back into its tensor if the tensor has pending IR.
-    The copy leaves the tensor's IR a read of its old device data; the sync
-    of those tensors alone makes them that device data again, and runs
-    nothing. The data of a tensor `read` before
-    the trace is noted as read: whatever read it may hold its buffer, which
-    a donating run must not take."""
+    """Copies each clone back into its tensor if the tensor has pending IR,
+    or IR the trace left. The copy leaves the tensor's IR a read of its old
+    device data; the sync of those tensors alone makes them that device
+    data again, and runs nothing. The data of a tensor `read` before the
+    trace is noted as read: whatever read it may hold its buffer, which a
+    donating run must not take."""
     flags = torch_xla._XLAC._check_tensor_need_materialization(self.tensors)
-    updated = [(t, c, was_read) for t, c, flag, was_read in zip(
-        self.tensors, self.clones, flags, self.read) if flag]
+    updated = [
+        (t, c, was_read)
+        for t, c, flag, was_read, had_ir in zip(self.tensors, self.clones,
+                                                flags, self.read, self.had_ir)
+        if flag or (not had_ir and not t._is_view() and _read_since_set(t))
+    ]
     for tensor, clone, _ in updated:
       tensor.copy_(clone)
       # A donor mark of the bridge's trace would let the sync below hand the
