@@ -113,7 +113,7 @@ def patched_bridge():
 
 @pytest.fixture(scope='session', autouse=True)
 def native_fast_path():
-  """The native module loaded (built if need be) before any test, so that
+  """The native module loaded (make setup builds it) before any test, so that
   the whole suite runs one implementation of the per-call work; tests that
   take `python_twins` run the Python one (test_native.py holds the two to
   the same answers)."""

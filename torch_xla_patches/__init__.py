@@ -129,8 +129,8 @@ def apply(*,
         eval_frame, 'make_set_enable_dynamic',
         torch_internals.shared_dynamic_config(
             _registry.original(eval_frame, 'make_set_enable_dynamic')))
-    # The per-call work in C++, built here the first time on this machine
-    # and torch release (see [Note: Building the native fast path]).
+    # The per-call work in C++, loaded where its build step built it (see
+    # [Note: Building the native fast path]); never built here.
     native.helpers()
     if config.automatic_dynamic_shapes:
       _registry.set(dynamo_config, 'automatic_dynamic_shapes', True)

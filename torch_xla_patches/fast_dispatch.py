@@ -394,8 +394,8 @@ class ServedCalls:
     self._sharding_of = (torch_xla._XLAC._get_xla_sharding_spec
                          if torch_xla.runtime.is_spmd() else None)
     self._global_hooks = torch_internals.global_module_forward_hooks()
-    # Built here, once per torch release, where it is not yet (see [Note:
-    # Building the native fast path]); learning uses it from then on.
+    # Loaded where its build step built it (see [Note: Building the native
+    # fast path]); learning uses it from then on.
     native.helpers()
     # Why there is no fast path, once known for good (the captured code).
     self.disabled_reason: Optional[str] = None
