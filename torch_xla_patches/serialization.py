@@ -43,6 +43,7 @@ from torch_xla_patches import call_spec
 from torch_xla_patches import config
 from torch_xla_patches import io_utils
 from torch_xla_patches import record
+from torch_xla_patches import serializable_backend
 from torch_xla_patches import source_digest
 from torch_xla_patches import torch_internals
 from torch_xla_patches.artifact import (ArtifactCorruptError, ArtifactError,
@@ -246,7 +247,7 @@ def save(compiled: Any,
       raise TypeError('torch_xla_patches.save: pass a CompiledModel, or a '
                       'model with example_inputs to capture it with')
     compiled = aot_compile(compiled, tuple(example_inputs))
-  payload = artifact.serialize_aot(compiled.aot_fn)
+  payload = serializable_backend.serialize_aot(compiled.aot_fn)
   parts = source_digest.source_parts(compiled.model)
   key_parts = serve_key.parts() if serve_key is not None else None
   header = ArtifactHeader(format_version=artifact.FORMAT_VERSION,
@@ -337,7 +338,7 @@ def load(path: str,
       raise ServeKeyMismatchError(f'{path} differs in ' +
                                   ' | '.join(differences))
   try:
-    aot_fn = artifact.deserialize_aot(payload)
+    aot_fn = serializable_backend.deserialize_aot(payload)
   except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
     raise ArtifactCorruptError(
         f'torch_xla_patches: artifact {path} does not unpickle: {e}') from None
