@@ -34,11 +34,20 @@ LAYERS = (
     # SymInt-safe kernels tracing needs.
     ('bridge', {'backlog', 'dynamo_bridge', 'decompositions'}),
     # Users of the bridge, through its public methods.
-    ('warm-up, serialization and tools', {
-        'warmup', 'source_digest', 'serve_key', 'artifact',
-        'serializable_backend', 'serialization', 'serving', 'fast_dispatch',
-        'cache'
+    # The artifact: its key, file format and backend; aot_compile, save and
+    # load.
+    ('serialization', {
+        'source_digest', 'serve_key', 'artifact', 'serializable_backend',
+        'serialization'
     }),
+    # A served call, from its key to its result.
+    ('served calls', {'fast_dispatch'}),
+    # Warm-up calls what it is handed: a served model, or any compiled
+    # callable.
+    ('warm-up', {'warmup'}),
+    # serve(), which goes down these layers in one pass (serving.serve), and
+    # the cache CLI.
+    ('serving and tools', {'serving', 'cache'}),
     ('package API', {'__init__'}),
 )
 LAYER_OF = {

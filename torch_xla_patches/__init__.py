@@ -187,7 +187,7 @@ def serve(model, signatures, *, cache_dir: Optional[str] = None):
       directory, the signature index) is kept across restarts; default
       XLA_PATCHES_CACHE_DIR. None: nothing is kept.
   Returns:
-    A serving.ServedModel: served(*args, **kwargs) returns what
+    A fast_dispatch.ServedModel: served(*args, **kwargs) returns what
     model(*args, **kwargs) returns.
   """
   apply()

@@ -11,20 +11,19 @@ truncated or does not parse raises `ArtifactCorruptError`. Both are
 `ArtifactError`s. The payload is a pickle: load only files you trust.
 
 The payload is torch's AOTCompiledFunction state (dynamo's bytecode, guards
-and the backend's serialized callable), written by `serialize_aot` (see
-[Note: Closures in saved functions]).
+and the backend's serialized callable), written by
+serializable_backend.serialize_aot (see [Note: Closures in saved
+functions]).
 """
 import dataclasses
 import hashlib
 import importlib
-import io
 import json
 import pickle
 import types
 from typing import Any, Dict, List, Optional, Tuple
 
 from torch_xla_patches import io_utils
-from torch_xla_patches import torch_internals
 from torch_xla_patches import versions
 
 # 2: modules are captured through their call (module_call), not forward.
@@ -112,56 +111,13 @@ def version_fields() -> Dict[str, str]:
 
 
 class ClosurePickler(pickle.Pickler):
-  """Pickles Python modules by name (a closure over `torch` is common)."""
+  """Pickles Python modules by name (a closure over `torch` is common; see
+  [Note: Closures in saved functions])."""
 
   def reducer_override(self, obj):
     if isinstance(obj, types.ModuleType):
       return importlib.import_module, (obj.__name__,)
     return NotImplemented
-
-
-def serialize_aot(aot_fn) -> bytes:
-  """Like AOTCompiledFunction.serialize, but also for functions with a
-  closure.
-
-  [Note: Closures in saved functions]
-  torch 2.9 pickles the captured function's closure cells as they are, and
-  cells do not pickle ("cannot pickle 'cell' object"), so a forward that
-  uses a name from an enclosing function (a class defined in a function that
-  imports torch) cannot be saved with torch's serialize. Here each cell is
-  saved as its contents (modules by name) and made a cell again on load.
-  The rest of the state is what torch's serialize writes."""
-  SerializedCode = torch_internals.serialized_code()
-  state = torch_internals.aot_artifacts(aot_fn).__dict__.copy()
-  # Rebuilt on load from guards_state, as torch does.
-  state['guard_manager'] = None
-  state['bytecode'] = SerializedCode.from_code_object(state['bytecode'])
-  state['original_code'] = SerializedCode.from_code_object(
-      state['original_code'])
-  compiled_fn = state['compiled_fn']
-  state['compiled_fn'] = (
-      type(compiled_fn).deserialize_compile_artifacts,
-      type(compiled_fn).serialize_compile_artifacts(compiled_fn))
-  if state['closure'] is not None:
-    state['closure'] = tuple(cell.cell_contents for cell in state['closure'])
-  with io.BytesIO() as stream:
-    ClosurePickler(stream).dump(state)
-    return stream.getvalue()
-
-
-def deserialize_aot(data: bytes):
-  AOTCompiledFunction, CompileArtifacts = (
-      torch_internals.aot_compiled_function_types())
-  SerializedCode = torch_internals.serialized_code()
-  state = pickle.loads(data)
-  state['bytecode'] = SerializedCode.to_code_object(state['bytecode'])
-  state['original_code'] = SerializedCode.to_code_object(state['original_code'])
-  deserializer, compiled_state = state['compiled_fn']
-  state['compiled_fn'] = deserializer(compiled_state)
-  if state['closure'] is not None:
-    state['closure'] = tuple(types.CellType(v) for v in state['closure'])
-  # AOTCompiledFunction rebuilds torch's guards from guards_state here.
-  return AOTCompiledFunction(CompileArtifacts(**state))
 
 
 def write(path: str, header: ArtifactHeader, payload: bytes) -> None:

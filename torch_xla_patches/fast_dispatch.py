@@ -1,7 +1,7 @@
 """The fast path of a served call: past dynamo's frame, guards and wrappers.
 
 [Note: Served fast path]
-A served call (serving.ServedModel) normally goes through the code dynamo
+A served call (ServedModel) normally goes through the code dynamo
 captured: its guards, then bytecode that reads every parameter of the model
 and calls the compiled graph, then the bridge's per-call key. The fast path
 does the same work from what it learned on an earlier call:
@@ -61,6 +61,7 @@ from torch_xla_patches import call_spec
 from torch_xla_patches import config
 from torch_xla_patches import dynamo_bridge
 from torch_xla_patches import native
+from torch_xla_patches import serialization
 from torch_xla_patches import torch_internals
 
 logger = logging.getLogger('torch_xla_patches.serving')
@@ -348,6 +349,42 @@ def _tensor_index(leaves: Sequence[Any]) -> Dict[int, int]:
       for index, leaf in enumerate(leaves)
       if isinstance(leaf, torch.Tensor)
   }
+
+
+class ServedModel:
+  """What serve() returns: call it like the model.
+
+  A call takes the fast path (see [Note: Served fast path]) when it can, and
+  otherwise the full path: the captured code with dynamo's guards, or, where
+  those refuse the call, a re-trace with torch.compile (see [Note: One
+  served call]). Calls run without autograd whatever the grad mode, from any
+  number of threads.
+
+  Args:
+    compiled: the compiled callable (an aot_compile'd CompiledModel, or a
+      torch.compile'd module on torch 2.8 or where aot_compile could not
+      capture the model, which has no fast path).
+    model: the served module.
+    artifact: the artifact path this process loaded or wrote, or None.
+    loaded: whether the artifact was loaded and serves the buckets (no
+      dynamo frame).
+  """
+
+  def __init__(self, compiled: Any, model: torch.nn.Module,
+               artifact: Optional[str], loaded: bool):
+    self.compiled = compiled
+    self.model = model
+    self.artifact = artifact
+    self.loaded = loaded
+    # Every call of a captured model (None for a torch.compile'd one).
+    self.calls = (ServedCalls(compiled, model) if isinstance(
+        compiled, serialization.CompiledModel) else None)
+
+  def __call__(self, *args, **kwargs):
+    if self.calls is not None:
+      return self.calls(args, kwargs)
+    with torch.no_grad():
+      return self.compiled(*args, **kwargs)
 
 
 class ServedCalls:

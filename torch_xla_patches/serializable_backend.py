@@ -9,15 +9,21 @@ serializes the FX graph dynamo handed over (`GraphPickler`) and the shape
 signatures the bridge compiled for it (`record.make_record` of each), so a
 loading process replays them (see [Note: Precompile on load]). The graph is
 dynamo's (torch-level ops, before AOTAutograd): inference only.
+
+`serialize_aot` and `deserialize_aot` turn the AOTCompiledFunction that holds
+such a callable into the artifact's payload and back.
 """
 import contextlib
 import dataclasses
+import io
 import pickle
 import threading
+import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from torch_xla_patches import artifact
 from torch_xla_patches import dynamo_bridge
 from torch_xla_patches import record
 from torch_xla_patches import signature
@@ -240,6 +246,50 @@ class XlaSerializableCallable(SerializableCallable):
                                    recorded=record.records_from_json(
                                        state.get('signatures'),
                                        source='the artifact'))
+
+
+def serialize_aot(aot_fn) -> bytes:
+  """Like AOTCompiledFunction.serialize, but also for functions with a
+  closure.
+
+  [Note: Closures in saved functions]
+  torch 2.9 pickles the captured function's closure cells as they are, and
+  cells do not pickle ("cannot pickle 'cell' object"), so a forward that
+  uses a name from an enclosing function (a class defined in a function that
+  imports torch) cannot be saved with torch's serialize. Here each cell is
+  saved as its contents (modules by name) and made a cell again on load.
+  The rest of the state is what torch's serialize writes."""
+  SerializedCode = torch_internals.serialized_code()
+  state = torch_internals.aot_artifacts(aot_fn).__dict__.copy()
+  # Rebuilt on load from guards_state, as torch does.
+  state['guard_manager'] = None
+  state['bytecode'] = SerializedCode.from_code_object(state['bytecode'])
+  state['original_code'] = SerializedCode.from_code_object(
+      state['original_code'])
+  compiled_fn = state['compiled_fn']
+  state['compiled_fn'] = (
+      type(compiled_fn).deserialize_compile_artifacts,
+      type(compiled_fn).serialize_compile_artifacts(compiled_fn))
+  if state['closure'] is not None:
+    state['closure'] = tuple(cell.cell_contents for cell in state['closure'])
+  with io.BytesIO() as stream:
+    artifact.ClosurePickler(stream).dump(state)
+    return stream.getvalue()
+
+
+def deserialize_aot(data: bytes):
+  AOTCompiledFunction, CompileArtifacts = (
+      torch_internals.aot_compiled_function_types())
+  SerializedCode = torch_internals.serialized_code()
+  state = pickle.loads(data)
+  state['bytecode'] = SerializedCode.to_code_object(state['bytecode'])
+  state['original_code'] = SerializedCode.to_code_object(state['original_code'])
+  deserializer, compiled_state = state['compiled_fn']
+  state['compiled_fn'] = deserializer(compiled_state)
+  if state['closure'] is not None:
+    state['closure'] = tuple(types.CellType(v) for v in state['closure'])
+  # AOTCompiledFunction rebuilds torch's guards from guards_state here.
+  return AOTCompiledFunction(CompileArtifacts(**state))
 
 
 def _returns_one_value(graph_module: torch.fx.GraphModule) -> bool:

@@ -29,11 +29,12 @@ Limits, on purpose:
     but records no signatures: each XLA part compiles on demand.
   * torch 2.9 or later (versions.require_torch_aot_compile).
 """
+import dataclasses
 import hashlib
 import logging
 import os
 import pickle
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,6 +43,7 @@ from torch_xla_patches import call_spec
 from torch_xla_patches import config
 from torch_xla_patches import io_utils
 from torch_xla_patches import record
+from torch_xla_patches import serializable_backend
 from torch_xla_patches import source_digest
 from torch_xla_patches import torch_internals
 from torch_xla_patches.artifact import (ArtifactCorruptError, ArtifactError,
@@ -52,15 +54,16 @@ from torch_xla_patches.serializable_backend import (BACKEND_NAME,
                                                     openxla_serializable,
                                                     register_backend,
                                                     unregister_backend)
+from torch_xla_patches.serve_key import ServeKey
 from torch_xla_patches.versions import require_torch_aot_compile
 
 logger = logging.getLogger('torch_xla_patches.serialization')
 
 __all__ = [
     'ArtifactCorruptError', 'ArtifactError', 'ArtifactMismatchError',
-    'BACKEND_NAME', 'CompiledModel', 'XlaSerializableCallable', 'aot_compile',
-    'load', 'openxla_serializable', 'read_header', 'register_backend', 'save',
-    'unregister_backend'
+    'BACKEND_NAME', 'CompiledModel', 'Loaded', 'ServeKeyMismatchError',
+    'XlaSerializableCallable', 'aot_compile', 'load', 'openxla_serializable',
+    'read_header', 'register_backend', 'save', 'try_load', 'unregister_backend'
 ]
 
 
@@ -228,15 +231,15 @@ def aot_compile(model: Any,
 def save(compiled: Any,
          path: str,
          example_inputs: Optional[Sequence[Any]] = None,
-         serve_key: Optional[Dict[str, Any]] = None) -> str:
+         serve_key: Optional[ServeKey] = None) -> str:
   """Writes `compiled` to `path` atomically; returns the path.
 
   Args:
     compiled: a CompiledModel (from aot_compile or load), or a model /
       function / torch.compile'd module, which is then captured with
       aot_compile on `example_inputs` (positional arguments).
-    serve_key: serve()'s key parts, kept in the header (see [Note: Serve
-      key]).
+    serve_key: serve()'s key, whose parts the header keeps (see [Note:
+      Serve key]).
   """
   require_torch_aot_compile('torch_xla_patches.save')
   if not isinstance(compiled, CompiledModel):
@@ -244,8 +247,9 @@ def save(compiled: Any,
       raise TypeError('torch_xla_patches.save: pass a CompiledModel, or a '
                       'model with example_inputs to capture it with')
     compiled = aot_compile(compiled, tuple(example_inputs))
-  payload = artifact.serialize_aot(compiled.aot_fn)
+  payload = serializable_backend.serialize_aot(compiled.aot_fn)
   parts = source_digest.source_parts(compiled.model)
+  key_parts = serve_key.parts() if serve_key is not None else None
   header = ArtifactHeader(format_version=artifact.FORMAT_VERSION,
                           **artifact.version_fields(),
                           model_name=source_digest.model_name(compiled.model),
@@ -255,7 +259,7 @@ def save(compiled: Any,
                           example_args=compiled.example_args,
                           payload_sha256=hashlib.sha256(payload).hexdigest(),
                           payload_size=len(payload),
-                          serve_key=serve_key)
+                          serve_key=key_parts)
   path = os.fspath(path)
   artifact.write(path, header, payload)
   return path
@@ -290,12 +294,24 @@ def _read_checked(path: str, model: Any) -> Tuple[ArtifactHeader, bytes]:
   return header, payload
 
 
-def load(
-    path: str,
-    model: Any = None,
-    precompile: bool = True,
-    check_header: Optional[Callable[[ArtifactHeader], None]] = None
-) -> CompiledModel:
+class ServeKeyMismatchError(ArtifactMismatchError):
+  """An artifact saved for another ServeKey (the message names the parts
+  that differ)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+  """What try_load found."""
+  # The loaded model; None when the file does not load.
+  compiled: Optional[CompiledModel]
+  # Why it does not load, naming the file; '' when it loads.
+  reason: str
+
+
+def load(path: str,
+         model: Any = None,
+         precompile: bool = True,
+         serve_key: Optional[ServeKey] = None) -> CompiledModel:
   """Loads an artifact written by `save`; see [Note: Artifact safety].
 
   Args:
@@ -305,21 +321,24 @@ def load(
     precompile: warm up now: one call on zeros of the saved example shape,
       which compiles every recorded signature (see [Note: Precompile on
       load]). Otherwise the first call does it.
-    check_header: called with the file's header once it is checked, before
-      anything is unpickled; what it raises, load raises (serve() compares
-      its ServeKey there, so the file is read once).
+    serve_key: the ServeKey the artifact must have been saved with (see
+      [Note: Serve key]), compared before anything is unpickled.
   Raises:
-    ArtifactCorruptError, ArtifactMismatchError.
+    ArtifactCorruptError, ArtifactMismatchError (ServeKeyMismatchError for
+    another serve_key).
   """
   require_torch_aot_compile('torch_xla_patches.load')
   if model is None:
     raise TypeError('torch_xla_patches.load needs model=: the saved graph '
                     'takes the parameters, or the function, from it')
   header, payload = _read_checked(os.fspath(path), model)
-  if check_header is not None:
-    check_header(header)
+  if serve_key is not None:
+    differences = serve_key.differences(header.serve_key)
+    if differences:
+      raise ServeKeyMismatchError(f'{path} differs in ' +
+                                  ' | '.join(differences))
   try:
-    aot_fn = artifact.deserialize_aot(payload)
+    aot_fn = serializable_backend.deserialize_aot(payload)
   except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
     raise ArtifactCorruptError(
         f'torch_xla_patches: artifact {path} does not unpickle: {e}') from None
@@ -329,6 +348,21 @@ def load(
   if precompile and header.example_args is not None:
     _warm_up(compiled, header.example_args, os.fspath(path))
   return compiled
+
+
+def try_load(path: str, model: Any, serve_key: ServeKey) -> Loaded:
+  """`load` without precompiling, as a value: the loaded model, or why the
+  file does not load. It never raises: serve() traces for a reason (see
+  [Note: Serving restarts])."""
+  try:
+    return Loaded(
+        load(path, model=model, precompile=False, serve_key=serve_key), '')
+  except ServeKeyMismatchError as e:
+    return Loaded(None, str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    # Whatever the file holds, it is a reason to trace, never a failure of
+    # serve().
+    return Loaded(None, f'{path} does not load: {type(e).__name__}: {e}')
 
 
 def _warm_up(compiled: CompiledModel, example_args: Any, path: str) -> None:

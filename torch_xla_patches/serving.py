@@ -40,13 +40,12 @@ import torch
 from torch_xla_patches import artifact
 from torch_xla_patches import call_spec
 from torch_xla_patches import config
-from torch_xla_patches import fast_dispatch
 from torch_xla_patches import serialization
 from torch_xla_patches import serializable_backend
-from torch_xla_patches import source_digest
 from torch_xla_patches import versions
 from torch_xla_patches import warmup
 from torch_xla_patches.call_spec import CallSpec
+from torch_xla_patches.fast_dispatch import ServedModel
 from torch_xla_patches.serve_key import ServeKey
 
 logger = logging.getLogger('torch_xla_patches.serving')
@@ -139,7 +138,7 @@ def artifact_path(cache_dir: str, key: ServeKey) -> str:
                       f'{name}-{key.digest()}{ARTIFACT_SUFFIX}')
 
 
-def _why_not_found(path: str, model: torch.nn.Module, key: ServeKey) -> str:
+def _why_not_found(path: str, key: ServeKey) -> str:
   """Why no artifact of `key` exists: what the closest artifact of the same
   model differs in."""
   prefix = os.path.basename(path).rsplit('-', 1)[0]
@@ -162,42 +161,6 @@ def _why_not_found(path: str, model: torch.nn.Module, key: ServeKey) -> str:
   return f'no artifact of this key; the closest, {closest[1]}'
 
 
-class ServedModel:
-  """What serve() returns: call it like the model.
-
-  A call takes the fast path (see [Note: Served fast path]) when it can, and
-  otherwise the full path: the captured code with dynamo's guards, or, where
-  those refuse the call, a re-trace with torch.compile (see [Note: One
-  served call]). Calls run without autograd whatever the grad mode, from any
-  number of threads.
-
-  Args:
-    compiled: the compiled callable (an aot_compile'd CompiledModel, or a
-      torch.compile'd module on torch 2.8 or where aot_compile could not
-      capture the model, which has no fast path).
-    model: the served module.
-    artifact: the artifact path this process loaded or wrote, or None.
-    loaded: whether the artifact was loaded and serves the buckets (no
-      dynamo frame).
-  """
-
-  def __init__(self, compiled: Any, model: torch.nn.Module,
-               artifact: Optional[str], loaded: bool):
-    self.compiled = compiled
-    self.model = model
-    self.artifact = artifact
-    self.loaded = loaded
-    # Every call of a captured model (None for a torch.compile'd one).
-    self.calls = (fast_dispatch.ServedCalls(compiled, model) if isinstance(
-        compiled, serialization.CompiledModel) else None)
-
-  def __call__(self, *args, **kwargs):
-    if self.calls is not None:
-      return self.calls(args, kwargs)
-    with torch.no_grad():
-      return self.compiled(*args, **kwargs)
-
-
 def _compile_buckets(
     served: ServedModel,
     buckets: Sequence[CallSpec],
@@ -211,7 +174,7 @@ def _compile_buckets(
 def _save(compiled: Any, path: str, key: ServeKey) -> None:
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    serialization.save(compiled, path, serve_key=key.parts())
+    serialization.save(compiled, path, serve_key=key)
   except OSError as e:
     logger.warning(
         'torch_xla_patches.serve: could not write %s (%s); the next restart '
@@ -224,6 +187,27 @@ def _example(buckets: Sequence[CallSpec]) -> CallSpec:
   return max(buckets,
              key=lambda b: min(
                  (min(s.shape, default=2) for s in b.tensor_specs), default=2))
+
+
+def _capture(model: torch.nn.Module, key: ServeKey, buckets: Sequence[CallSpec],
+             tensor_pool: Dict[Any, torch.Tensor]) -> Optional[Any]:
+  """The model captured with aot_compile on the example bucket, whose
+  tensors join `tensor_pool`; None, said in the log, where aot_compile
+  cannot capture it."""
+  import torch_xla
+  args, kwargs = _example(buckets).materialize(torch_xla.device(), tensor_pool)
+  try:
+    return serialization.aot_compile(model, args, kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    # Whatever torch.compile traces, serve() serves: the capture's own
+    # limits (a guard it cannot save, a form it cannot bind) are no reason
+    # to fail.
+    logger.warning(
+        'torch_xla_patches.serve: aot_compile cannot capture %s (%s: %s); '
+        'serving it through torch.compile, which traces dynamo again in '
+        'every process', key.model,
+        type(e).__name__, e)
+    return None
 
 
 def _refused_bucket(compiled: serialization.CompiledModel,
@@ -240,45 +224,29 @@ def _refused_bucket(compiled: serialization.CompiledModel,
   return None
 
 
-class _KeyDiffers(Exception):
-  """An artifact of another ServeKey (the message names the parts)."""
-
-
-def _load(path: str, model: torch.nn.Module, key: ServeKey,
-          buckets: Sequence[CallSpec]) -> Tuple[Optional[Any], str]:
-  """(the loaded artifact, '') if it serves the buckets, else (None, why
-  not)."""
+def _load(path: Optional[str], model: torch.nn.Module, key: ServeKey,
+          buckets: Sequence[CallSpec]) -> serialization.Loaded:
+  """The artifact of `key` at `path` if it loads and serves the buckets,
+  else why not (no reason without a cache directory)."""
+  if path is None:
+    return serialization.Loaded(None, '')
   if not os.path.lexists(path):
-    return None, _why_not_found(path, model, key)
-
-  def same_key(header: artifact.ArtifactHeader) -> None:
-    differences = key.differences(header.serve_key)
-    if differences:
-      raise _KeyDiffers(f'{path} differs in ' + ' | '.join(differences))
-
-  try:
-    compiled = serialization.load(path,
-                                  model=model,
-                                  precompile=False,
-                                  check_header=same_key)
-  except _KeyDiffers as e:
-    return None, str(e)
-  except Exception as e:  # pylint: disable=broad-except
-    # Whatever the file holds, it is a reason to trace, never a failure of
-    # serve() (see [Note: Serving restarts]).
-    return None, f'{path} does not load: {type(e).__name__}: {e}'
-  refused = _refused_bucket(compiled, buckets)
-  if refused is not None:
-    return None, f'{path} is replaced: {refused}'
-  return compiled, ''
+    return serialization.Loaded(None, _why_not_found(path, key))
+  loaded = serialization.try_load(path, model, serve_key=key)
+  if loaded.compiled is not None:
+    refused = _refused_bucket(loaded.compiled, buckets)
+    if refused is not None:
+      return serialization.Loaded(None, f'{path} is replaced: {refused}')
+  return loaded
 
 
 def serve(model: torch.nn.Module,
           signatures: Iterable[Any],
           *,
           cache_dir: Optional[str] = None) -> ServedModel:
-  """See torch_xla_patches.serve."""
-  import torch_xla
+  """See torch_xla_patches.serve. One pass: the key, then the artifact
+  loaded or the model captured, then the served object with its buckets
+  compiled, then a captured model saved."""
   _check_model(model)
   buckets = _buckets(signatures)
   cache_dir = os.fspath(cache_dir) if cache_dir else config.cache_dir
@@ -287,33 +255,26 @@ def serve(model: torch.nn.Module,
     return _serve_with_torch_compile(model, buckets)
   key = serve_key(model, buckets)
   path = artifact_path(cache_dir, key) if cache_dir else None
-  if path is not None:
-    compiled, reason = _load(path, model, key, buckets)
-    if compiled is not None:
-      served = ServedModel(compiled, model, path, loaded=True)
-      _compile_buckets(served, buckets)
-      return served
-    logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model, reason)
-  # The buckets then reuse the example's tensors (a whole KV cache, say).
-  tensor_pool: Dict[Any, torch.Tensor] = {}
-  args, kwargs = _example(buckets).materialize(torch_xla.device(), tensor_pool)
-  try:
-    compiled = serialization.aot_compile(model, args, kwargs)
-  except Exception as e:  # pylint: disable=broad-except
-    # Whatever torch.compile traces, serve() serves: the capture's own
-    # limits (a guard it cannot save, a form it cannot bind) are no reason
-    # to fail.
-    logger.warning(
-        'torch_xla_patches.serve: aot_compile cannot capture %s (%s: %s); '
-        'serving it through torch.compile, which traces dynamo again in '
-        'every process', key.model,
-        type(e).__name__, e)
-    return _serve_with_torch_compile(model, buckets)
-  del args, kwargs
-  served = ServedModel(compiled, model, path, loaded=False)
+  loaded = _load(path, model, key, buckets)
+  compiled = loaded.compiled
+  tensor_pool: Optional[Dict[Any, torch.Tensor]] = None
+  if compiled is None:
+    if loaded.reason:
+      logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model,
+                  loaded.reason)
+    # The buckets then reuse the example's tensors (a whole KV cache, say).
+    tensor_pool = {}
+    compiled = _capture(model, key, buckets, tensor_pool)
+    if compiled is None:
+      return _serve_with_torch_compile(model, buckets)
+  served = ServedModel(compiled,
+                       model,
+                       path,
+                       loaded=loaded.compiled is not None)
   _compile_buckets(served, buckets, tensor_pool)
   del tensor_pool
-  if path is not None:
+  if path is not None and not served.loaded:
+    # After the buckets: the artifact keeps the signatures they compiled.
     _save(compiled, path, key)
   return served
 
