@@ -10,17 +10,18 @@ import torch._dynamo
 import torch_xla
 import torch_xla.debug.metrics as met
 
-from torch_xla_patches import backlog, dynamo_bridge
+from torch_xla_patches import backlog
+from torch_xla_patches import counters as bridge_counters
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BRIDGE_COUNTERS = (
     'DynamoExtractCompiledGraph',
-    dynamo_bridge.COUNTER_HIT,
-    dynamo_bridge.COUNTER_MISS,
-    dynamo_bridge.COUNTER_RETRACE,
-    dynamo_bridge.COUNTER_DROPPED,
-    dynamo_bridge.COUNTER_FALLBACK_PARTITION,
+    bridge_counters.COUNTER_HIT,
+    bridge_counters.COUNTER_MISS,
+    bridge_counters.COUNTER_RETRACE,
+    bridge_counters.COUNTER_DROPPED,
+    bridge_counters.COUNTER_FALLBACK_PARTITION,
     backlog.COUNTER_PRECOMPILED,
     backlog.COUNTER_PRECOMPILE_SKIPPED,
     'UncachedCompile',

@@ -1,4 +1,4 @@
-"""Compiled calls from many threads (see [Note: Threads] in dynamo_bridge.py
+"""Compiled calls from many threads (see [Note: Threads] in execution.py
 and [Note: One served call] in fast_dispatch.py)."""
 import os
 import sys
@@ -10,7 +10,9 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_patches
-from torch_xla_patches import TensorSpec, config, dynamo_bridge, fast_dispatch
+from torch_xla_patches import counters as bridge_counters
+from torch_xla_patches import (TensorSpec, config, execution, fast_dispatch,
+                               program_run, tracing)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
@@ -97,7 +99,7 @@ def test_eight_threads_with_new_shapes_and_a_parameter_swap(
   # Each new shape was traced and compiled exactly once, however many
   # threads asked for it first at once.
   assert report['new_shapes_sent'] > 0
-  assert report['fallbacks'].get(dynamo_bridge.COUNTER_MISS,
+  assert report['fallbacks'].get(bridge_counters.COUNTER_MISS,
                                  0) == report['new_shapes_sent']
 
 
@@ -129,7 +131,7 @@ def test_eight_threads_over_a_signature_cap(patched_bridge, monkeypatch):
   # other threads look theirs up and run bound programs.
   monkeypatch.setattr(config, 'max_signatures_per_graph', 3)
   eight_threads('serve', requests=100, new_shapes=0.2, swap=False, seed=3)
-  assert counter(dynamo_bridge.COUNTER_DROPPED) > 0
+  assert counter(bridge_counters.COUNTER_DROPPED) > 0
 
 
 # -- each guarantee on its own
@@ -178,7 +180,7 @@ def call_in_thread(fn, *args, name=None):
 
 
 class WatchedLock:
-  """dynamo_bridge.execution_lock, keeping the state of each named thread:
+  """execution.execution_lock, keeping the state of each named thread:
   'waiting' for the lock (another thread holds it) until it has it, then
   'running'; a test sets others (`set`) and waits for a state
   (`wait_until`)."""
@@ -220,8 +222,8 @@ class WatchedLock:
 
 
 def watch_execution_lock(monkeypatch):
-  lock = WatchedLock(dynamo_bridge.execution_lock)
-  monkeypatch.setattr(dynamo_bridge, 'execution_lock', lock)
+  lock = WatchedLock(execution.execution_lock)
+  monkeypatch.setattr(execution, 'execution_lock', lock)
   return lock
 
 
@@ -251,14 +253,14 @@ def test_a_call_waits_for_the_execution_lock(patched_bridge, monkeypatch, path):
   fast_before = served.calls.fast_calls if path != 'torch.compile' else 0
   lock = watch_execution_lock(monkeypatch)
   runs = []
-  run_program = dynamo_bridge.run_program
+  run_program = program_run.run_program
 
   def counted_run(*args, **kwargs):
     runs.append(threading.current_thread().name)
     return run_program(*args, **kwargs)
 
-  monkeypatch.setattr(dynamo_bridge, 'run_program', counted_run)
-  misses = counter(dynamo_bridge.COUNTER_MISS)
+  monkeypatch.setattr(program_run, 'run_program', counted_run)
+  misses = counter(bridge_counters.COUNTER_MISS)
   with lock:
     thread, outcome = call_in_thread(ending(lock, served),
                                      xla(x),
@@ -270,14 +272,14 @@ def test_a_call_waits_for_the_execution_lock(patched_bridge, monkeypatch, path):
     assert lock.states['served call'] == 'waiting', outcome
     assert thread.is_alive() and outcome == {}
     assert runs == []
-    assert counter(dynamo_bridge.COUNTER_MISS) == misses
+    assert counter(bridge_counters.COUNTER_MISS) == misses
   thread.join()
   assert 'error' not in outcome, outcome
   with torch.no_grad():
     torch.testing.assert_close(outcome['result'].cpu(), cpu(x))
   assert runs == ['served call']
   # Batch 5 is not a bucket: traced and compiled once the lock was free.
-  assert counter(dynamo_bridge.COUNTER_MISS) == misses + (path == 'full')
+  assert counter(bridge_counters.COUNTER_MISS) == misses + (path == 'full')
   if path == 'fast':
     assert served.calls.fast_calls == fast_before + 1
 
@@ -391,7 +393,7 @@ def test_a_trace_keeps_other_threads_pending_tensors(patched_bridge,
   # threads' tensors, see [Note: Threads]), so it stays pending.
   earlier = torch.ones(3, device=torch_xla.device()) * 3
   pending = []
-  trace_graph = dynamo_bridge._trace_graph
+  trace_graph = tracing.trace_graph
 
   def trace_while_another_thread_computes(*args, **kwargs):
     # Another thread builds a lazy tensor (pending IR, not computed yet)
@@ -401,11 +403,11 @@ def test_a_trace_keeps_other_threads_pending_tensors(patched_bridge,
     thread.join()
     return trace_graph(*args, **kwargs)
 
-  monkeypatch.setattr(dynamo_bridge, '_trace_graph',
+  monkeypatch.setattr(tracing, 'trace_graph',
                       trace_while_another_thread_computes)
-  misses = counter(dynamo_bridge.COUNTER_MISS)
+  misses = counter(bridge_counters.COUNTER_MISS)
   served(xla(torch.randn(7, WIDTH)))
-  assert counter(dynamo_bridge.COUNTER_MISS) == misses + 1
+  assert counter(bridge_counters.COUNTER_MISS) == misses + 1
   assert torch_xla._XLAC._check_tensor_need_materialization([earlier] +
                                                             pending) == [
                                                                 True, True

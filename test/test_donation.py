@@ -12,7 +12,9 @@ from hypothesis import given, strategies as st
 
 import torch_xla_patches
 from bridge_testing import cpu_and_xla, run_counters, run_reports
-from torch_xla_patches import CallSpec, TensorSpec, config, dynamo_bridge
+from torch_xla_patches import (CallSpec, TensorSpec, bound_program, config,
+                               donation, signature_cache)
+from torch_xla_patches import counters as bridge_counters
 
 
 @pytest.fixture(autouse=True, params=['native', 'python twins'])
@@ -27,13 +29,13 @@ def per_call_work(request, monkeypatch):
     monkeypatch.setenv('XLA_PATCHES_NATIVE', '0')
 
 
-DONATION_COUNTERS = (dynamo_bridge.COUNTER_DONATED,
-                     dynamo_bridge.COUNTER_DONATION_VIEW,
-                     dynamo_bridge.COUNTER_DONATION_ALIAS,
-                     dynamo_bridge.COUNTER_DONATION_COPIED,
-                     dynamo_bridge.COUNTER_DONATION_COPIED_READ,
-                     dynamo_bridge.COUNTER_DONATION_EPILOGUE,
-                     dynamo_bridge.COUNTER_DONATION_FALLBACK)
+DONATION_COUNTERS = (bridge_counters.COUNTER_DONATED,
+                     bridge_counters.COUNTER_DONATION_VIEW,
+                     bridge_counters.COUNTER_DONATION_ALIAS,
+                     bridge_counters.COUNTER_DONATION_COPIED,
+                     bridge_counters.COUNTER_DONATION_COPIED_READ,
+                     bridge_counters.COUNTER_DONATION_EPILOGUE,
+                     bridge_counters.COUNTER_DONATION_FALLBACK)
 
 
 def donation_counters(since=None):
@@ -83,8 +85,8 @@ def test_an_argument_updated_in_place_is_donated(patched_bridge):
   # graph's updates in it), so every later run donates the buffer the last
   # one gave, with no look at the rest of the device.
   assert donation_counters() == {
-      dynamo_bridge.COUNTER_DONATED: 2,
-      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2
+      bridge_counters.COUNTER_DONATED: 2,
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
   }
   assert readers_synced() == synced_before
 
@@ -109,8 +111,8 @@ def test_views_aliases_and_pending_readers_see_what_eager_sees(patched_bridge):
   # handed (synced by the trace) and synced the device's pending IR, which
   # held the first readers, before its run.
   assert donation_counters() == {
-      dynamo_bridge.COUNTER_DONATED: 1,
-      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2
+      bridge_counters.COUNTER_DONATED: 1,
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
   }
   assert readers_synced() - synced_before == 1
 
@@ -126,8 +128,8 @@ def test_a_view_argument_is_copied_and_counted(patched_bridge):
     torch.testing.assert_close(got.cpu(), want)
     torch.testing.assert_close(base.cpu(), expected)
   counts = donation_counters()
-  assert dynamo_bridge.COUNTER_DONATED not in counts, counts
-  assert counts[dynamo_bridge.COUNTER_DONATION_VIEW] == 1, counts
+  assert bridge_counters.COUNTER_DONATED not in counts, counts
+  assert counts[bridge_counters.COUNTER_DONATION_VIEW] == 1, counts
 
 
 def test_the_same_tensor_passed_twice(patched_bridge):
@@ -171,8 +173,8 @@ def test_a_buffer_updated_in_place_is_donated(patched_bridge):
   # The buffer moved to the device with `to` read as read: the first run
   # took a private copy; every later one donated the buffer the last gave.
   assert donation_counters() == {
-      dynamo_bridge.COUNTER_DONATED: 2,
-      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 1
+      bridge_counters.COUNTER_DONATED: 2,
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 1
   }
 
 
@@ -194,7 +196,7 @@ def test_donating_and_copying_programs_are_different_programs(
     torch._dynamo.reset()
     compiled = torch.compile(write_rows, backend='openxla', dynamic=True)
     steps(compiled, rows=16, calls=2)
-    cache = dynamo_bridge.live_signature_caches()[-1]
+    cache = signature_cache.live_signature_caches()[-1]
     (entry,) = cache.entries.values()
     hashes.append((entry.graph_hash, entry.donated_positions))
   (donating, donated), (copying, none) = hashes
@@ -335,17 +337,17 @@ def test_a_served_in_place_step_runs_its_bound_program(patched_bridge):
       torch.testing.assert_close(cache.cpu(), reference)
     torch.testing.assert_close(view.cpu(), expected[0][:8])
     if step == 1:
-      hits = met.counter_value(dynamo_bridge.COUNTER_HIT) or 0
+      hits = met.counter_value(bridge_counters.COUNTER_HIT) or 0
       fast = served.calls.fast_calls
   # The last three calls ran the bound program, each counted as one hit of
   # its signature (see [Note: Bound programs]): nothing ran twice.
   assert served.calls.fast_calls - fast == 3
-  assert (met.counter_value(dynamo_bridge.COUNTER_HIT) or 0) - hits == 3
+  assert (met.counter_value(bridge_counters.COUNTER_HIT) or 0) - hits == 3
   # The caches moved to the device with `to` read as read at the first step
   # (2 copies), and the view read after each step reads the first cache
   # (steps 1 to 4).
   assert served_donations(served_at) == {
-      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2 + 4
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2 + 4
   }
 
 
@@ -365,7 +367,7 @@ def serve_layer_caches():
 def served_donations(served_at):
   """What the calls since serve() returned donated and copied; `served_at`
   are the counters then (serve()'s own compiles donated both caches)."""
-  assert served_at[dynamo_bridge.COUNTER_DONATED] == 2
+  assert served_at[bridge_counters.COUNTER_DONATED] == 2
   return donation_counters(since=served_at)
 
 
@@ -379,7 +381,7 @@ def served_step(cpu, served, caches, expected, seed):
 
 
 def readers_synced():
-  return met.counter_value(dynamo_bridge.COUNTER_DONATION_READERS_SYNCED) or 0
+  return met.counter_value(bridge_counters.COUNTER_DONATION_READERS_SYNCED) or 0
 
 
 def buffer_pointers(tensors):
@@ -396,7 +398,7 @@ def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
   # An alias shares the cache's storage and reads nothing until used.
   alias = caches[1].detach()
   # Past two drops of the caches' update logs (see [Note: Taking a result]).
-  steps = 2 * dynamo_bridge._UPDATE_LOG_RUNS + 3
+  steps = 2 * bound_program.UPDATE_LOG_RUNS + 3
   synced_before = readers_synced()
   for seed in range(steps):
     served_step(cpu, served, caches, expected, seed)
@@ -458,7 +460,9 @@ def test_a_cache_read_between_steps_is_copied_for_the_next_run(
     torch.testing.assert_close(cache.cpu(), reference)
   # The step after the read ran on a copy of that cache; the next ones
   # donated it again.
-  want = {dynamo_bridge.COUNTER_DONATION_COPIED_READ: copies} if copies else {}
+  want = {
+      bridge_counters.COUNTER_DONATION_COPIED_READ: copies
+  } if copies else {}
   assert served_donations(served_at) == want
 
 
@@ -485,8 +489,8 @@ def test_reads_before_a_call_that_traces_keep_their_buffer(
   # The new signature donates both caches; both were read, so its first run
   # copied them, whatever the trace did to their IR.
   assert served_donations(served_at) == {
-      dynamo_bridge.COUNTER_DONATED: 2,
-      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 2
+      bridge_counters.COUNTER_DONATED: 2,
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
   }
 
 
@@ -514,7 +518,7 @@ def test_training_leaves_the_forwards_buffer_updates_to_the_epilogue(
       torch.testing.assert_close(ours.grad.cpu(), theirs.grad, msg=name)
     torch.testing.assert_close(model.total.cpu(), cpu.total)
   # The buffer, once, in the forward's one signature.
-  assert donation_counters() == {dynamo_bridge.COUNTER_DONATION_EPILOGUE: 1}
+  assert donation_counters() == {bridge_counters.COUNTER_DONATION_EPILOGUE: 1}
   assert 'XlaSetBufferDonation' not in met.counter_names()
 
 
@@ -526,11 +530,11 @@ def test_only_forward_and_inference_graphs_carry_mutated_inputs():
     mutated_inp_runtime_indices = [1]
     input_info = [None, type('Info', (), {'mutates_data': True})()]
 
-  assert dynamo_bridge.aot_autograd_mutated_inputs() == ()
+  assert donation.aot_autograd_mutated_inputs() == ()
   for name, expected in [('0_forward', (1,)), ('0_inference', (1,)),
                          ('0_backward', ())]:
     context = torch._guards.TracingContext(None)
     context.fw_metadata = Metadata()
     context.aot_graph_name = [name]
     with torch._guards.tracing(context):
-      assert dynamo_bridge.aot_autograd_mutated_inputs() == expected, name
+      assert donation.aot_autograd_mutated_inputs() == expected, name

@@ -10,7 +10,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_patches
-from torch_xla_patches import config, dynamo_bridge
+from torch_xla_patches import config, signature_cache
 from bridge_testing import FrameCounter, counters, xla
 
 DEVICE = torch_xla.device()
@@ -262,7 +262,7 @@ def test_signature_cap_drops_least_recently_used(monkeypatch, caplog):
   ]
   assert len(cap_warnings) == 1
   assert counters()['DynamoSignatureDropped'] == 2
-  (cache,) = [c for c in dynamo_bridge.live_signature_caches() if c.entries
+  (cache,) = [c for c in signature_cache.live_signature_caches() if c.entries
              ][-1:]
   assert [dict(s.shape_values) for s in cache.signatures()] == [{0: 4}, {0: 5}]
   # A dropped signature is traced again, not an error.

@@ -10,7 +10,7 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import counters as bridge_counters
 
 transformers = pytest.importorskip('transformers')
 executorch = pytest.importorskip('transformers.integrations.executorch')
@@ -62,8 +62,8 @@ def test_the_export_module_decodes_as_eager_under_torch_compile(patched_bridge):
   # One signature: each layer's keys and values are donated; the
   # cumulative lengths are written without being read (no input of the
   # program, nothing to donate).
-  assert met.counter_value(dynamo_bridge.COUNTER_DONATED) == 2 * LAYERS
-  assert met.counter_value(dynamo_bridge.COUNTER_MISS) == 1
+  assert met.counter_value(bridge_counters.COUNTER_DONATED) == 2 * LAYERS
+  assert met.counter_value(bridge_counters.COUNTER_MISS) == 1
   for name, buffer in module.named_buffers():
     if name.startswith(('key_cache', 'value_cache')):
       assert buffer.abs().sum().item() > 0, name

@@ -20,7 +20,7 @@ import torch
 import torch_xla
 from hypothesis import given, strategies as st
 
-from torch_xla_patches import call_spec, config, dynamo_bridge, fast_dispatch
+from torch_xla_patches import call_spec, config, donation, fast_dispatch
 from torch_xla_patches import native
 
 pytestmark = pytest.mark.skipif(
@@ -378,8 +378,8 @@ def test_read_donations_decides_as_the_note_says(request, monkeypatch,
     read, sync_readers = module.read_donations([tensor], [data_id], [True],
                                                ledger)
   else:
-    monkeypatch.setattr(dynamo_bridge, '_known_data', ledger)
-    given = dynamo_bridge._given_data(tensor, data_id)
+    monkeypatch.setattr(donation, '_known_data', ledger)
+    given = donation.given_data(tensor, data_id)
     read = [0] if given is False else []
     sync_readers = given is None
   decision = ('read' if read else 'unknown' if sync_readers else 'given')

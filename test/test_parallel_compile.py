@@ -1,5 +1,5 @@
 """Parallel compiles (config.compile_workers, see [Note: Parallel compiles]
-and [Note: Parallel precompile] in dynamo_bridge.py): a replay of recorded
+and [Note: Parallel precompile] in compile_window.py): a replay of recorded
 signatures, or a precompile(), with 2 workers gives the programs, results,
 counters and errors of the serial one."""
 import os
@@ -14,8 +14,9 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.debug.metrics as met
 
-from torch_xla_patches import (TensorSpec, backlog, config, dynamo_bridge,
-                               warmup)
+from torch_xla_patches import (TensorSpec, backlog, compile_window, config,
+                               signature_cache, warmup)
+from torch_xla_patches.counters import COUNTER_MISS
 from bridge_testing import REPO_ROOT, counters, run_python, serve_fresh, xla
 
 # Records the signatures of SIZES in CACHE_DIR (first process), or replays
@@ -27,17 +28,17 @@ import torch, torch_xla
 import torch_xla.debug.metrics as met
 import torch_xla_patches
 from bridge_testing import counters
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import compile_window
 torch_xla_patches.apply(cache_dir=CACHE_DIR)
 device = torch_xla.device()
-compile_graph = dynamo_bridge.compile_graph
+compile_graph = compile_window.compile_graph
 compile_threads = []
 
 def compile_noting_the_thread(graph_tensors):
   compile_threads.append(threading.current_thread().name)
   compile_graph(graph_tensors)
 
-dynamo_bridge.compile_graph = compile_noting_the_thread
+compile_window.compile_graph = compile_noting_the_thread
 
 def fn(x, w1, w2):
   h = torch.nn.functional.gelu(x @ w1)
@@ -156,7 +157,7 @@ def bridge_counters():
 
 
 def the_cache():
-  return dynamo_bridge.live_signature_caches()[-1]
+  return signature_cache.live_signature_caches()[-1]
 
 
 def hashes(cache):
@@ -171,7 +172,7 @@ class SlowCompile:
   process compiled the same programs before) stay in flight for a while."""
 
   def __init__(self):
-    self._compile = dynamo_bridge.compile_graph
+    self._compile = compile_window.compile_graph
 
   def __call__(self, graph_tensors):
     time.sleep(0.3)
@@ -198,7 +199,7 @@ class CompileThreads:
 
 def watch_compiles(monkeypatch, compile_graph):
   threads = CompileThreads(compile_graph)
-  monkeypatch.setattr(dynamo_bridge, 'compile_graph', threads)
+  monkeypatch.setattr(compile_window, 'compile_graph', threads)
   return threads
 
 
@@ -209,7 +210,7 @@ class FailOnce:
   def __init__(self, rows):
     self.rows = rows
     self.failed = 0
-    self._compile = dynamo_bridge.compile_graph
+    self._compile = compile_window.compile_graph
 
   def __call__(self, graph_tensors):
     if not self.failed and graph_tensors[0].shape[0] == self.rows:
@@ -271,7 +272,7 @@ def test_a_failing_compile_in_precompile_raises_where_serially(
   # 2 workers compiled on the pool: not the serial path twice.
   assert on_workers[1] == 0 and on_workers[2] > 0, on_workers
   assert len(seen[1][1]) == 2
-  assert seen[1][0][dynamo_bridge.COUNTER_MISS] == 3
+  assert seen[1][0][COUNTER_MISS] == 3
   assert seen[2] == seen[1]
 
 
@@ -335,13 +336,13 @@ def test_an_inplace_update_of_an_input_gives_eager_results(
   slow = SlowCompile()
   seen, on_workers = {}, {}
   window_traces = [0]
-  window_trace = dynamo_bridge.CompileWindow.trace
+  window_trace = compile_window.CompileWindow.trace
 
   def counted_trace(*args, **kwargs):
     window_traces[0] += 1
     return window_trace(*args, **kwargs)
 
-  monkeypatch.setattr(dynamo_bridge.CompileWindow, 'trace', counted_trace)
+  monkeypatch.setattr(compile_window.CompileWindow, 'trace', counted_trace)
   for workers in (1, 2):
     restart(indexed, monkeypatch, workers)
     threads = watch_compiles(monkeypatch, slow)
@@ -384,11 +385,11 @@ import torch, torch_xla
 import torch_xla.debug.metrics as met
 import torch_xla_patches
 from torch_xla_patches import TensorSpec
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import compile_window
 from bridge_testing import counters
 torch_xla_patches.apply()
 device = torch_xla.device()
-compile_claims = dynamo_bridge.PrecompileCalls.compile
+compile_claims = compile_window.PrecompileCalls.compile
 
 
 def compile_and_tell(calls):
@@ -397,7 +398,7 @@ def compile_and_tell(calls):
   return compiled
 
 
-dynamo_bridge.PrecompileCalls.compile = compile_and_tell
+compile_window.PrecompileCalls.compile = compile_and_tell
 
 
 def digest(tensor):

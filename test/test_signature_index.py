@@ -15,7 +15,7 @@ import torch._dynamo
 import torch_xla.debug.metrics as met
 
 from torch_xla_patches import cache as cache_cli
-from torch_xla_patches import (backlog, config, dynamo_bridge, fingerprint,
+from torch_xla_patches import (backlog, config, fingerprint, signature_cache,
                                record, signature_index)
 from torch_xla_patches.signature import ArgKind, ArgLayout
 from bridge_testing import REPO_ROOT, counters, run_python, serve_fresh
@@ -450,7 +450,7 @@ def test_replay_order_is_most_served_first(indexed, monkeypatch):
   monkeypatch.setattr(config, 'replay_sync_max_signatures', 2)
   met.clear_all()
   compiled = serve_here([5])
-  cache = dynamo_bridge.live_signature_caches()[-1]
+  cache = signature_cache.live_signature_caches()[-1]
   # Least recently used first: the replayed 3 and 4, then the served 5.
   shapes = [dict(s.shape_values)[0] for s in cache.signatures()]
   assert shapes == [3, 4, 5]
@@ -466,7 +466,7 @@ def test_sync_replay_stops_at_its_time_budget(indexed, monkeypatch):
   # The budget is checked before each signature: none starts, all three
   # wait for served calls.
   assert (met.counter_value(backlog.COUNTER_PRECOMPILED) or 0) == 0
-  assert dynamo_bridge.live_signature_caches()[-1].backlog_size == 3
+  assert signature_cache.live_signature_caches()[-1].backlog_size == 3
   del compiled
 
 

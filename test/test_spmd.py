@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from bridge_testing import run_counters, run_python
-from torch_xla_patches import dynamo_bridge, versions
+from torch_xla_patches import versions
+from torch_xla_patches import counters as bridge_counters
 from torch_xla_patches import native as native_module
 
 TEST_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -280,7 +281,8 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 xr.use_spmd()
 import torch_xla_patches
-from torch_xla_patches import CallSpec, TensorSpec, dynamo_bridge, native
+from torch_xla_patches import CallSpec, TensorSpec, native
+from torch_xla_patches import counters as bridge_counters
 from test_donation import LayerCaches
 device = torch_xla.device()
 mesh = xs.Mesh(np.arange(4), (4,), ('data',))
@@ -306,10 +308,10 @@ for cache in caches:
   xs.mark_sharding(cache, mesh, ('data', None))
 torch_xla.sync()
 expected = [torch.zeros(32, 8) for _ in range(2)]
-names = [dynamo_bridge.COUNTER_DONATION_COPIED,
-         dynamo_bridge.COUNTER_DONATION_COPIED_READ,
-         dynamo_bridge.COUNTER_DONATION_READERS_SYNCED,
-         dynamo_bridge.COUNTER_MISS]
+names = [bridge_counters.COUNTER_DONATION_COPIED,
+         bridge_counters.COUNTER_DONATION_COPIED_READ,
+         bridge_counters.COUNTER_DONATION_READERS_SYNCED,
+         bridge_counters.COUNTER_MISS]
 before = {name: met.counter_value(name) or 0 for name in names}
 errors = []
 kept = []
@@ -390,10 +392,10 @@ def test_a_sharded_decode_loop_donates_its_caches(native, front_end):
     assert report['fast'] is None, report
     misses = 2
   assert report['counters'] == {
-      dynamo_bridge.COUNTER_DONATION_COPIED: 0,
-      dynamo_bridge.COUNTER_DONATION_COPIED_READ: 0,
-      dynamo_bridge.COUNTER_DONATION_READERS_SYNCED: 8,
-      dynamo_bridge.COUNTER_MISS: misses,
+      bridge_counters.COUNTER_DONATION_COPIED: 0,
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 0,
+      bridge_counters.COUNTER_DONATION_READERS_SYNCED: 8,
+      bridge_counters.COUNTER_MISS: misses,
   }, report
   assert report['copies_pending'] == 0, report
 

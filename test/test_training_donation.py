@@ -14,7 +14,7 @@ import torch_xla.debug.metrics as met
 
 import torch_xla_patches
 from bridge_testing import run_python
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import counters as bridge_counters
 
 STEPS = 10
 # Every graph of the step is traced in the first two steps (the optimizer's
@@ -145,7 +145,7 @@ def test_a_compiled_training_step_equals_the_step_without_donation(
   # BatchNorm's running statistics (and its batch count) are written by
   # AOTAutograd's epilogue after the forward: never donated, counted once
   # for the forward's one signature.
-  assert counters[dynamo_bridge.COUNTER_DONATION_EPILOGUE] == 3
+  assert counters[bridge_counters.COUNTER_DONATION_EPILOGUE] == 3
   if optimizer_name == 'sgd-momentum':
     # The first step's graph updates the 6 parameters, the later steps'
     # graph (momentum buffers exist from then on) the 6 parameters and
@@ -153,19 +153,19 @@ def test_a_compiled_training_step_equals_the_step_without_donation(
     # the device with `to`, which reads as read: the first run takes private
     # copies of them, through the host (no XLA compile: compiles above).
     # Every later step donates what the step before gave, with no copy.
-    assert counters[dynamo_bridge.COUNTER_DONATED] == 6 + 12
-    assert counters[dynamo_bridge.COUNTER_DONATION_COPIED_READ] == 6
+    assert counters[bridge_counters.COUNTER_DONATED] == 6 + 12
+    assert counters[bridge_counters.COUNTER_DONATION_COPIED_READ] == 6
     # The momentum buffers are the first graph's outputs, data the caller
     # holds: the second graph's first run syncs the device's pending IR.
-    assert counters[dynamo_bridge.COUNTER_DONATION_READERS_SYNCED] == 1
+    assert counters[bridge_counters.COUNTER_DONATION_READERS_SYNCED] == 1
     assert counters == on['warm_counters']
   else:
     # Adam keeps its step counts on the CPU: the graph is partitioned around
     # them, and its 6 parameters, 12 moments and 6 step counts are written
     # after the parts, as AOTAutograd's epilogue would write them (see
     # [Note: Input updates in a partitioned graph]).
-    assert dynamo_bridge.COUNTER_DONATED not in counters
-    assert counters[dynamo_bridge.COUNTER_DONATION_FALLBACK] == 24
+    assert bridge_counters.COUNTER_DONATED not in counters
+    assert counters[bridge_counters.COUNTER_DONATION_FALLBACK] == 24
 
 
 if __name__ == '__main__':

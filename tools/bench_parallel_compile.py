@@ -11,7 +11,7 @@ tool times the compile of the other --signatures:
   replay       drain_backlog() of the signatures a first process recorded in
                the index (traced on the calling thread, compiled on the
                workers; see [Note: Parallel compiles] in
-               torch_xla_patches/dynamo_bridge.py);
+               torch_xla_patches/compile_window.py);
   precompile   precompile() of their sizes, without an index (see [Note:
                Parallel precompile]).
 Every size is then served, checked against eager CPU, and must not compile.
@@ -39,7 +39,7 @@ import copy, json, sys, time
 import torch, torch_xla
 import torch_xla.debug.metrics as met
 import torch_xla_patches
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import signature_cache
 
 cache_dir, sizes, width, mode = (sys.argv[1], json.loads(sys.argv[2]),
                                  int(sys.argv[3]), sys.argv[4])
@@ -109,7 +109,7 @@ if mode == 'precompile':
 else:
   call(sizes[0])
   if mode == 'replay':
-    (cache,) = dynamo_bridge.live_signature_caches()
+    (cache,) = signature_cache.live_signature_caches()
     report = timed(cache.drain_backlog)
 compiles = compile_stats()[0]
 for batch in sizes[1:]:

@@ -203,8 +203,17 @@ def rewrite_imports(source: str) -> Tuple[str, List[str]]:
       # `from package.module import x` or `from package import module`.
       modules += node.module.split('.')[1:2] or [a.name for a in node.names]
   text = '\n'.join(lines)
-  for alias in CONFIG_ALIAS.findall(text):
-    text = re.sub(rf'(?<![\w.]){alias}\b', 'config', CONFIG_ALIAS.sub('', text))
+  aliases = CONFIG_ALIAS.findall(text)
+  if aliases:
+    # A module that imports only upstream's config, under an alias, imports
+    # it as `config`; one that imports the package's config already has it.
+    binds_config = 'config' in top_level_names(
+        ast.parse(CONFIG_ALIAS.sub('', text)).body)
+    text = CONFIG_ALIAS.sub(
+        '' if binds_config else f'from {UPSTREAM_PACKAGE} import config\n',
+        text)
+    for alias in aliases:
+      text = re.sub(rf'(?<![\w.]){alias}\b', 'config', text)
   return text, modules
 
 

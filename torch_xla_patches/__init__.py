@@ -99,7 +99,7 @@ def apply(*,
       raise RuntimeError(
           'torch_xla_patches.apply(persistent_executables=True) must run '
           'before the first XLA computation of the process.')
-    from torch_xla_patches import dynamo_bridge
+    from torch_xla_patches import donation, dynamo_bridge
     from torch_xla_patches import serialization
 
     flags['persistent_executables'] = persistent_executables
@@ -120,7 +120,7 @@ def apply(*,
     backend_module = torch_internals.xla_backend_module()
     _registry.set(
         backend_module, 'xla_backend_helper',
-        dynamo_bridge.record_mutated_inputs(
+        donation.record_mutated_inputs(
             _registry.original(backend_module, 'xla_backend_helper')))
     # torch.compile(dynamic=...) from many threads (see [Note: dynamo's
     # config from many threads]).

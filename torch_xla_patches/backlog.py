@@ -24,7 +24,7 @@ is set (the test suite sets it), where it propagates.
 
 A drain that may take more than one record, with config.compile_workers > 1,
 traces each record on the calling thread and compiles it on worker threads
-(see [Note: Parallel compiles] in dynamo_bridge.py). Records are still
+(see [Note: Parallel compiles] in compile_window.py). Records are still
 finished one at a time, in queue order, on the calling thread: each outcome,
 counter, progress line and error comes where the serial drain has it. At most
 compile_workers + 1 records are in flight (one waits while the workers
@@ -51,7 +51,7 @@ from torch_xla_patches import record as record_lib
 from torch_xla_patches.record import RecordedSignature, ReplayTemplate
 from torch_xla_patches.signature import ArgLayout
 
-# Counters, next to the bridge's (see dynamo_bridge.py).
+# Counters, next to the bridge's (see counters.py).
 COUNTER_PRECOMPILED = 'DynamoSignaturePrecompiled'  # a recorded one compiled
 # A recorded signature (index or artifact) that failed a check, or whose
 # rebuild, trace or compile raised; or an index file that did not parse.

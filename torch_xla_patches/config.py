@@ -169,7 +169,7 @@ install_decompositions = _flag('install_decompositions',
 # Alias each argument or buffer a graph updates in place to its output
 # (buffer donation), so the update happens in the argument's own buffer
 # instead of a copy of it (see [Note: Donating in-place updates] in
-# dynamo_bridge.py). A donating program is another program.
+# donation.py). A donating program is another program.
 donate_inplace_updates = _flag('donate_inplace_updates',
                                'XLA_PATCHES_DONATE',
                                True,
@@ -292,7 +292,7 @@ def default_compile_workers() -> int:
 # XLA compiles that may run at once when recorded signatures are replayed
 # (index or artifact) and when precompile() or serve() compiles its buckets
 # (see [Note: Parallel compiles] and [Note: Parallel precompile] in
-# dynamo_bridge.py): the calling thread traces each signature, worker threads
+# compile_window.py): the calling thread traces each signature, worker threads
 # compile. 1: everything on the calling thread, one after another, as before
 # the flag. The default is default_compile_workers() (1 on 2 cores).
 compile_workers = _flag('compile_workers',

@@ -59,7 +59,7 @@ import torch_xla
 
 from torch_xla_patches import call_spec
 from torch_xla_patches import config
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import execution
 from torch_xla_patches import native
 from torch_xla_patches import serialization
 from torch_xla_patches import torch_internals
@@ -398,7 +398,7 @@ class ServedCalls:
        (see [Note: Served fast path]) and the key has a learned run: the
        run, on the signature's BoundProgram where the program can be bound,
        else through the bridge's callable. A BoundProgram that cannot start
-       (dynamo_bridge.RefusedBeforeRun: nothing of the call happened) sends
+       (execution.RefusedBeforeRun: nothing of the call happened) sends
        the call through the bridge's callable, which recovers, and forgets
        the key;
     3. otherwise the full path: dynamo's guards, then the captured code
@@ -414,7 +414,7 @@ class ServedCalls:
   changed bound tensor, so the tensors they hold are let go with them.
   Reads of the learned state take no lock: it is replaced, never edited, by
   writers holding execution_lock, and a run holds that lock itself (see
-  [Note: Threads] in dynamo_bridge.py).
+  [Note: Threads] in execution.py).
 
   Args:
     compiled: the served CompiledModel (serialization.aot_compile or load).
@@ -524,7 +524,7 @@ class ServedCalls:
   def _forget(self, learned: '_Learned') -> None:
     """Drops what was learned (if still current), with the tensors its
     plan and runs hold."""
-    with dynamo_bridge.execution_lock:
+    with execution.execution_lock:
       if self._learned is learned:
         self._learned = _Learned.NOTHING
 
@@ -568,7 +568,7 @@ class ServedCalls:
     """Serves a call the captured code does not apply to (another dtype, a
     changed module, ...) as torch.compile would: dynamo traces it again."""
     _increment_counter(COUNTER_RETRACE, 1)
-    with dynamo_bridge.execution_lock:
+    with execution.execution_lock:
       if self._retraced is None:
         logger.info(
             'torch_xla_patches.serve: dynamo\'s guards refused a call of %s '
@@ -590,7 +590,7 @@ class ServedCalls:
     """Learns the run of `key` from a full call, accepted by dynamo's
     guards, that called the graph once as `call` shows; `generation` and
     `global_states` were read before the guards ran."""
-    with dynamo_bridge.execution_lock:
+    with execution.execution_lock:
       if module_watch.generation != generation:
         return
       learned = self._learned
@@ -650,7 +650,7 @@ class ServedCalls:
     def bound_run(leaves: Sequence[Any]) -> Any:
       try:
         outputs = bound(leaves)
-      except dynamo_bridge.RefusedBeforeRun:
+      except execution.RefusedBeforeRun:
         _increment_counter(COUNTER_BRIDGE_RECOVERY, 1)
         self._forget_run(bound_run)
         return through_bridge(leaves)
@@ -659,7 +659,7 @@ class ServedCalls:
     return bound_run
 
   def _forget_run(self, run: '_Run') -> None:
-    with dynamo_bridge.execution_lock:
+    with execution.execution_lock:
       learned = self._learned
       runs = {key: r for key, r in learned.runs.items() if r is not run}
       if len(runs) != len(learned.runs):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from torch_xla_patches import artifact
-from torch_xla_patches import dynamo_bridge
+from torch_xla_patches import dynamo_bridge, execution, signature_cache
 from torch_xla_patches import record
 from torch_xla_patches import signature
 from torch_xla_patches import torch_internals
@@ -148,7 +148,7 @@ class XlaSerializableCallable(SerializableCallable):
   def __call__(self, *args):
     # The first call compiles; every call runs under the bridge's lock (see
     # [Note: Threads]).
-    with dynamo_bridge.execution_lock:
+    with execution.execution_lock:
       if self._compiled is None:
         self._compile_first(list(args))
       cache = self._cache
@@ -178,7 +178,7 @@ class XlaSerializableCallable(SerializableCallable):
       self._observed.calls = None
 
   @property
-  def signature_cache(self) -> Optional[dynamo_bridge.SignatureCache]:
+  def signature_cache(self) -> Optional[signature_cache.SignatureCache]:
     """The bridge's cache of the graph; None before the first call, or when
     the bridge partitioned the graph around CPU fallback ops."""
     return self._cache
@@ -211,7 +211,7 @@ class XlaSerializableCallable(SerializableCallable):
 
   def recorded_signatures(self) -> Tuple[record.RecordedSignature, ...]:
     """Signatures to save: those served here, then those loaded."""
-    with dynamo_bridge.execution_lock:
+    with execution.execution_lock:
       records = list(self._seen.values())
     ids = {r.record_id for r in records}
     records.extend(r for r in self._loaded if r.record_id not in ids)

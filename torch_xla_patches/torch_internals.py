@@ -6,9 +6,10 @@ under `torch` with a leading underscore (`torch._dynamo`, `torch._C`,
 `torch._decomp`, an OpOverload's `_op_dk` and `_dispatch_cache`), and the
 internals around them that torch documents nowhere (the Python dispatcher's
 per-op kernels `py_kernels` and `py_impl`, dynamo's config flags, FX's
-ShapeEnv). The one exception is dynamo_bridge.py: it keeps upstream's own
-uses, spelled as upstream spells them, so the upstream diff stays small.
-test_torch_internals.py fails on a `torch._` use in any other module.
+ShapeEnv). The exceptions are dynamo_bridge.py, which keeps upstream's own
+uses, spelled as upstream spells them, so the upstream diff stays small, and
+donation.py, whose uses go into the rendered pull request with it (this
+module does not). test_torch_internals.py fails on a `torch._` use in any other module.
 
 A function that needs a torch module imports it when called and, if torch
 does not have the name, raises `TorchInternalsError` naming it and the torch
@@ -226,7 +227,7 @@ def aot_autograd_backend(**kwargs: Any) -> Any:
 class InferenceUpdatesInGraph:
   """The openxla backend, where AOTAutograd keeps an inference graph's
   in-place updates of inputs in the graph (see [Note: Donating in-place
-  updates] in dynamo_bridge.py).
+  updates] in donation.py).
 
   By default AOTAutograd turns an in-place update of a graph input into a
   graph output and a `copy_` into the input after the graph. That `copy_`

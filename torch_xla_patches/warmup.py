@@ -7,7 +7,7 @@ artifact are replayed by the bridge itself, see backlog.py.)
 
 With config.compile_workers > 1 the calls go through the bridge in two passes
 and the XLA compiles run on worker threads, overlapping the traces (see
-[Note: Parallel precompile] in dynamo_bridge.py); traces themselves run one
+[Note: Parallel precompile] in compile_window.py); traces themselves run one
 after another, on the calling thread.
 """
 import dataclasses
@@ -21,7 +21,7 @@ import torch
 import torch_xla
 
 from torch_xla_patches.backlog import compile_stats
-from torch_xla_patches import call_spec, config, dynamo_bridge, io_utils
+from torch_xla_patches import call_spec, compile_window, config, io_utils
 from torch_xla_patches.call_spec import CallSpec
 from torch_xla_patches.io_utils import TensorSpec
 
@@ -146,7 +146,7 @@ def _precompile_in_parallel(compiled_fn: Callable, specs: Sequence[Any],
   whose signature compiled on a worker reports the wall seconds of its two
   calls and of its trace and compile, which overlap others'."""
   device = torch_xla.device()
-  calls = dynamo_bridge.PrecompileCalls(workers)
+  calls = compile_window.PrecompileCalls(workers)
   report: List[Optional[PrecompiledSignature]] = [None] * len(specs)
   # (spec index, claim number, args, kwargs, seconds of the first pass)
   stopped = []

@@ -339,7 +339,7 @@ int was_read(PyObject* data_id) {
 
 // read_donations(tensors, data_ids | None, copy_if_read, ledger)
 //   -> (indices read and to copy, whether to sync the device's readers)
-// dynamo_bridge._read_donations' decision; the ledger's entries of the
+// donation.read_donations' decision; the ledger's entries of the
 // tensors are forgotten.
 PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   if (argc != 4 || !PyList_Check(argv[0]) || !PyList_Check(argv[2]) ||
@@ -447,7 +447,7 @@ PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   return result;
 }
 
-// Notes `result`'s data as given in the ledger (dynamo_bridge._note_data).
+// Notes `result`'s data as given in the ledger (donation.note_data).
 bool note_given(PyObject* result, PyObject* ledger, Py_ssize_t limit) {
   PyObject* id = PyObject_CallOneArg(tensor_id_fn, result);
   if (id == nullptr) {
@@ -483,7 +483,7 @@ bool note_given(PyObject* result, PyObject* ledger, Py_ssize_t limit) {
 }
 
 // take_results(targets, results, drop_update_log, ledger, limit) -> None
-// dynamo_bridge.take_result of each (target, result) pair.
+// donation.take_result of each (target, result) pair.
 PyObject* take_results(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   if (argc != 5 || !PyList_Check(argv[0]) || !PyList_Check(argv[1]) ||
       !PyDict_Check(argv[3]) ||
@@ -544,9 +544,9 @@ PyMethodDef methods[] = {
     {"init", reinterpret_cast<PyCFunction>(init), METH_FASTCALL,
      "Sets torch_xla's data id and tensor id functions."},
     {"read_donations", reinterpret_cast<PyCFunction>(read_donations),
-     METH_FASTCALL, "dynamo_bridge._read_donations' decision."},
+     METH_FASTCALL, "donation.read_donations' decision."},
     {"take_results", reinterpret_cast<PyCFunction>(take_results),
-     METH_FASTCALL, "dynamo_bridge.take_result of each pair."},
+     METH_FASTCALL, "donation.take_result of each pair."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_fast_path",

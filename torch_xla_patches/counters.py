@@ -1,0 +1,48 @@
+"""The names of the bridge's counters, one place for all of them.
+
+Read them with torch_xla.debug.metrics.counter_value(name); the bridge bumps
+them with `increment_counter`, torch_xla's own counter call.
+"""
+import torch_xla
+
+# Counters, readable with torch_xla.debug.metrics.counter_value(name), next to
+# DynamoExtractCompiledGraph (one per graph handed to the bridge),
+# DynamoSyncInputExecuteTime (inputs with pending IR synced before a run) and
+# the runtime's CompileTime / UncachedCompile.
+# A graph's first signature is compiled when dynamo hands the graph over, so
+# its first call is a hit: misses count compiles, hits count calls served.
+COUNTER_HIT = 'DynamoSignatureHit'  # a call found its signature's program
+COUNTER_MISS = 'DynamoSignatureMiss'  # a new signature was traced + compiled
+COUNTER_RETRACE = 'DynamoEvictedRetrace'  # XLA evicted a program; re-traced
+COUNTER_DROPPED = 'DynamoSignatureDropped'  # over the cap, LRU entry dropped
+COUNTER_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'  # graph partitioned
+# See [Note: Donating in-place updates] in donation.py: an argument updated in
+# place whose buffer the program takes over (counted once per traced signature),
+# ...
+COUNTER_DONATED = 'DynamoDonatedInput'
+# ... one copied instead because it is a view of another tensor, or shares
+# its data with another argument of the trace, ...
+COUNTER_DONATION_VIEW = 'DynamoDonationSkippedView'
+COUNTER_DONATION_ALIAS = 'DynamoDonationSkippedAlias'
+# ... one written eagerly after the parts of a graph partitioned around CPU
+# fallback ops (see [Note: Input updates in a partitioned graph] in
+# dynamo_bridge.py), ...
+COUNTER_DONATION_FALLBACK = 'DynamoDonationSkippedFallback'
+# ... one AOTAutograd's epilogue writes after the run (a graph that needs
+# autograd), counted per traced signature, ...
+COUNTER_DONATION_EPILOGUE = 'DynamoDonationSkippedEpilogue'
+# ... and a call whose donated argument shares its data with another
+# argument, or was read since its data was set: that argument is copied for
+# the run (counted per call).
+COUNTER_DONATION_COPIED = 'DynamoDonationCopiedAlias'
+COUNTER_DONATION_COPIED_READ = 'DynamoDonationCopiedRead'
+# A donating run that synced the device's pending IR first: a donated
+# argument held data the caller set, which any pending computation may read
+# (counted per run; a decode loop's steps after the first do not).
+COUNTER_DONATION_READERS_SYNCED = 'DynamoDonationReadersSynced'
+# COUNTER_PRECOMPILED and COUNTER_PRECOMPILE_SKIPPED: see backlog.py.
+
+# Inputs with pending IR synced before a run (upstream's name).
+COUNTER_SYNCED_INPUTS = 'DynamoSyncInputExecuteTime'
+
+increment_counter = torch_xla._XLAC._xla_increment_counter

@@ -1,0 +1,406 @@
+"""Donation: which arguments a program takes the buffers of, what is known of
+each argument's buffer (the data ledger), readying a donating run and taking
+its results over. See [Note: Donating in-place updates].
+"""
+import collections
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch_xla
+import torch_xla.runtime as xr
+
+from torch_xla_patches import config, native
+from torch_xla_patches.counters import (
+    COUNTER_DONATION_ALIAS, COUNTER_DONATION_COPIED,
+    COUNTER_DONATION_COPIED_READ, COUNTER_DONATION_EPILOGUE,
+    COUNTER_DONATION_READERS_SYNCED, COUNTER_DONATION_VIEW, increment_counter)
+from torch_xla_patches.execution import (device_name, holding_execution_lock,
+                                         sync_alone)
+from torch_xla_patches.signature import ArgLayout
+
+# [Note: Donating in-place updates]
+# A graph that updates an argument in place (a KV cache written with
+# index_copy_, a buffer's running statistics) compiles, without aliasing, to
+# a program that writes the whole updated tensor into a new buffer on every
+# call: a copy of the argument per call, and two of it alive at the peak.
+# torch_xla aliases a program input to its output when the input's device
+# data is marked as a buffer donor while the graph is traced and the compile
+# runs under alias_with_buffer_donor_config. So a signature whose trace
+# updates arguments is traced a second time, from the restored arguments,
+# with each updatable argument marked (config.donate_inplace_updates); the
+# donation is part of the graph hash, so a donating program and a copying
+# one never share an entry. Donation hands the argument's buffer to the
+# program, which deletes it, so it is used only where nothing else can still
+# read that buffer:
+#   * not for an argument that is a view of another tensor, nor for one
+#     whose data another argument of the trace shares (one tensor passed
+#     twice, an alias made before the call): copied, counted per reason;
+#   * at each call of a donating program, a donated argument that shares its
+#     data with another argument of that call is replaced for the run by a
+#     private copy (counted), and the write-back still goes to the caller's
+#     tensor;
+#   * anything else that holds the buffer got it by building on the
+#     argument: pending IR that reads it (`cache * 2`), a view, a tensor that
+#     took it with `copy_` (torch_xla shares the device data, it copies
+#     nothing). Building on a tensor gives it an IR node of its device data,
+#     which it keeps until its data is set again, and a tensor's data id
+#     names that node while it has one. So at each donating call, a donated
+#     argument is, by what is known of its buffer:
+#       - given: it holds, without IR, the data a run gave it (take_result,
+#         noted by the tensor's unique id with its data id), so no one else
+#         holds that buffer: donated as is, with no look at the rest of the
+#         device. A decode loop runs so at every step. Under SPMD a run's
+#         results come with an IR node of their own (torch_xla's, for the
+#         sharding), which reads then build on without changing the data
+#         id: given data that has IR is unknown (below). There a read, copy_
+#         included, is pending IR until a sync computes it into a buffer of
+#         its own, so the sync below leaves no one else the buffer;
+#       - read: it has IR, or its data was noted as read before a sync
+#         dropped its IR (a tensor moved to the device with `to` holds its
+#         data in an IR node until a sync; the sync before a trace and the
+#         restore after it drop the IR of the arguments): replaced for the
+#         run by a private copy (counted), so that a reading one step costs
+#         one copy, and the buffer stays with whatever read it;
+#       - unknown (data the caller set: made on the device and synced,
+#         written in place and synced): the device's pending IR, which may
+#         read it, is synced first. An argument with pending IR of its own is
+#         computed first, into a buffer of its own.
+#     What stays unseen: a tensor that took another's data with `copy_` and
+#     was then synced holds that data without IR (torch_xla shares a device
+#     data node's data on a copy_ within the device); donated, it deletes
+#     the buffer the other still holds.
+#   * The argument takes its updated data from the run's result
+#     (take_result) as functionalization's in-place ops do, which leaves it
+#     given.
+#   * Under torch.compile, an inference graph that AOTAutograd compiles
+#     with keep_inference_input_mutations (the openxla backend as apply()
+#     sets it up) keeps its updates, as dynamo's graph under serve() does.
+#     A graph that needs autograd leaves them to AOTAutograd's epilogue,
+#     which writes them with `copy_` after the run: those arguments are
+#     never donated (counted as COUNTER_DONATION_EPILOGUE). The `copy_`
+#     leaves an argument read at every call, so donating it would cost a
+#     sync of the device's pending IR before every run, and the XLA
+#     compiles of whatever that sync computes: a training step's forward
+#     would be slower than without donation, for buffers (BatchNorm's
+#     running statistics) a few values wide.
+#   * A graph that marks its own donors (torch.ops.xla.dynamo_set_buffer_
+#     donor_, upstream's manual donation) is compiled as written.
+# A view or alias of a donated argument made by torch_xla (`cache[:16]`,
+# `cache.detach()`) follows the argument's new data, as after any run.
+
+# The FX graph's meta key under which record_mutated_inputs leaves
+# AOTAutograd's mutated inputs for the bridge.
+MUTATED_INPUTS_META = 'torch_xla_patches_mutated_inputs'
+
+
+def record_mutated_inputs(helper: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps torch's `xla_backend_helper` (what the openxla backends call with
+  each graph AOTAutograd compiles) so that the graph carries the positions of
+  the inputs AOTAutograd's epilogue updates from its first outputs, which are
+  never donated (see [Note: Donating in-place updates]): the bridge counts them.
+  The callable it returns, which compiles on its first call, holds
+  execution_lock (see [Note: Threads] in execution.py)."""
+
+  def xla_backend_helper(model, fake_tensor_inputs, boxed=False):
+    mutated = aot_autograd_mutated_inputs()
+    if mutated and _outputs_match_inputs(model, mutated):
+      model.meta[MUTATED_INPUTS_META] = mutated
+    return holding_execution_lock(helper(model, fake_tensor_inputs,
+                                         boxed=boxed))
+
+  return xla_backend_helper
+
+
+def aot_autograd_mutated_inputs() -> Tuple[int, ...]:
+  """While AOTAutograd compiles a forward or inference graph: the positions
+  of the graph's inputs whose data its epilogue updates from the graph's
+  first outputs, in output order (output k into input
+  mutated_inp_runtime_indices[k]). () outside such a compile, or where a
+  metadata-only mutation (a resize, a transpose_) is among them."""
+  context = torch._guards.TracingContext.try_get()
+  metadata = getattr(context, 'fw_metadata', None)
+  if metadata is None:
+    return ()
+  # A training graph's backward is compiled under its forward's context,
+  # metadata included: only a forward or inference graph has those outputs.
+  names = getattr(context, 'aot_graph_name', None) or []
+  if not any(name.endswith(('_forward', '_inference')) for name in names):
+    return ()
+  indices = tuple(metadata.mutated_inp_runtime_indices)
+  if not all(metadata.input_info[i].mutates_data for i in indices):
+    return ()
+  return indices
+
+
+def _outputs_match_inputs(graph_module: torch.fx.GraphModule,
+                          mutated: Tuple[int, ...]) -> bool:
+  """Whether output k of the graph has the dtype and rank of input
+  mutated[k], for each k: AOTAutograd's order, checked."""
+  inputs = [
+      node.meta.get('val')
+      for node in graph_module.graph.nodes
+      if node.op == 'placeholder'
+  ]
+  outputs = next((
+      node.args[0] for node in graph_module.graph.nodes if node.op == 'output'),
+                 ())
+  if not isinstance(outputs, (tuple, list)) or len(outputs) < len(mutated):
+    return False
+  for output, position in zip(outputs, mutated):
+    value = output.meta.get('val') if isinstance(output,
+                                                 torch.fx.Node) else None
+    source = inputs[position] if position < len(inputs) else None
+    if not (isinstance(value, torch.Tensor) and
+            isinstance(source, torch.Tensor) and value.dtype == source.dtype and
+            value.dim() == source.dim()):
+      return False
+  return True
+
+
+def donatable_positions(args: Sequence[Any], positions: Sequence[int],
+                        layout: ArgLayout) -> Tuple[int, ...]:
+  """The positions among `positions` (updated arguments) that may be
+  donated (see [Note: Donating in-place updates]); counts the others by
+  reason."""
+  positions_of_data: Dict[int, List[int]] = collections.defaultdict(list)
+  for position in layout.tensor_positions:
+    positions_of_data[data_id_of(args[position])].append(position)
+  donated = []
+  for position in positions:
+    tensor = args[position]
+    if not isinstance(tensor, torch.Tensor):
+      continue
+    if tensor._is_view():
+      increment_counter(COUNTER_DONATION_VIEW, 1)
+    elif len(positions_of_data[data_id_of(tensor)]) > 1:
+      increment_counter(COUNTER_DONATION_ALIAS, 1)
+    else:
+      donated.append(position)
+  return tuple(donated)
+
+
+def count_epilogue_updates(xla_model: torch.fx.GraphModule) -> None:
+  """Counts, per traced signature, the inputs AOTAutograd's epilogue updates
+  (see record_mutated_inputs): never donated (see [Note: Donating in-place
+  updates])."""
+  updated = xla_model.meta.get(MUTATED_INPUTS_META, ())
+  if updated and config.donate_inplace_updates:
+    increment_counter(COUNTER_DONATION_EPILOGUE, len(updated))
+
+
+def sets_own_donors(xla_model: torch.fx.GraphModule) -> bool:
+  """Whether the graph marks buffer donors itself
+  (torch.ops.xla.dynamo_set_buffer_donor_): it is compiled as written."""
+  return any(node.op == 'call_function' and
+             'dynamo_set_buffer_donor_' in str(node.target)
+             for node in xla_model.graph.nodes)
+
+
+def clear_donor_mark(tensor: torch.Tensor) -> None:
+  """Clears a donor mark the bridge's trace left on `tensor`'s data (only
+  one that is there: torch_xla counts every call that sets a mark, as
+  XlaSetBufferDonation)."""
+  if torch_xla._XLAC._get_buffer_donation(tensor):
+    torch_xla._XLAC._set_buffer_donation(tensor, False)
+
+
+def _sync_pending_readers() -> None:
+  """Syncs the pending IR of the device: it may read a buffer a run takes
+  over (see [Note: Donating in-place updates])."""
+  increment_counter(COUNTER_DONATION_READERS_SYNCED, 1)
+  torch_xla._XLAC._xla_sync_live_tensors(device_name(), [], True)
+
+
+def read_since_set(tensor: torch.Tensor) -> bool:
+  """Whether torch_xla built IR on `tensor` since its device data was set
+  (see [Note: Donating in-place updates]); False for a tensor off the XLA
+  device."""
+  return tensor.device.type == 'xla' and _was_read(data_id_of(tensor))
+
+
+def _was_read(data_id: str) -> bool:
+  # torch_xla names a tensor by its IR node and output index while it has
+  # one ("<node>, <index>"), else by its device data.
+  return ',' in data_id
+
+
+# What the bridge knows of the device data a lazy tensor holds without IR
+# (see [Note: Donating in-place updates]), by the tensor's unique id (never
+# reused, unlike a data id) -> (its data id then, whether given): given for
+# data a run gave a donated argument (take_result), which no one else can
+# hold; not given for data of a tensor that was read before a sync dropped
+# its IR (the sync before a trace, the restore after it), which a reader may
+# hold. Oldest first; bounded, as a tensor may be dropped without another
+# run. Guarded by execution_lock.
+_known_data: Dict[int, Tuple[str, bool]] = {}
+_KNOWN_DATA_LIMIT = 4096
+
+
+def note_data(tensor: torch.Tensor, given: bool) -> None:
+  key = torch_xla._XLAC._xla_get_tensor_id(tensor)
+  _known_data[key] = (data_id_of(tensor), given)
+  if len(_known_data) > _KNOWN_DATA_LIMIT:
+    del _known_data[next(iter(_known_data))]
+
+
+def maybe_read(tensor: torch.Tensor) -> bool:
+  """Whether something may hold `tensor`'s buffer by having read it: it has
+  IR, or its data was noted as read (see _known_data)."""
+  return tensor.device.type == 'xla' and given_data(
+      tensor, data_id_of(tensor), forget=False) is False
+
+
+def given_data(tensor: torch.Tensor,
+               data_id: str,
+               forget: bool = True) -> Optional[bool]:
+  """True if `tensor` (whose data_id_of is `data_id`) holds data a run gave it
+  and nothing read since, False if its data may be read elsewhere, None if
+  unknown: data the caller set, or data a run gave that came in an IR node of
+  its own (under SPMD), which reads leave no trace on. Forgets the tensor's
+  entry unless told not to: the run about to take its buffer over
+  gives it new data."""
+  key = torch_xla._XLAC._xla_get_tensor_id(tensor)
+  known = _known_data.pop(key, None) if forget else _known_data.get(key)
+  if known is not None and known[0] == data_id:
+    if not known[1]:
+      return False
+    return None if _was_read(data_id) else True
+  return False if _was_read(data_id) else None
+
+
+def read_donations(tensors: List[torch.Tensor], data_ids: Optional[List[str]],
+                   copy_if_read: List[bool]) -> List[int]:
+  """Readies the buffers a run is about to take over, of `tensors` (whose
+  data_id are `data_ids`, or None to read them here) (see [Note: Donating
+  in-place updates]): the indices of those read since their data was set,
+  which the run takes a private copy of where `copy_if_read` says so. The
+  device's pending IR is synced first if any other holds data the caller
+  set, or was read where no copy is taken. The native module decides where
+  it is loaded; its decision is this loop's."""
+  helpers = native.loaded()
+  if helpers is not None:
+    read, sync_readers = helpers.read_donations(tensors, data_ids, copy_if_read,
+                                                _known_data)
+  else:
+    read = []
+    sync_readers = False
+    for index, tensor in enumerate(tensors):
+      data_id = data_id_of(tensor) if data_ids is None else data_ids[index]
+      given = given_data(tensor, data_id)
+      if given:
+        continue
+      if given is False and copy_if_read[index]:
+        read.append(index)
+      else:
+        sync_readers = True
+  if sync_readers:
+    _sync_pending_readers()
+  return read
+
+
+def private_copy(tensor: torch.Tensor) -> torch.Tensor:
+  """A copy of `tensor` in a buffer of its own, for a donating run (see
+  [Note: Donating in-place updates]). A tensor read since its data was set
+  (it has IR) is copied on the device, as the program without donation
+  would copy it at every call: a lazy clone reads the same device data
+  until a sync computes it. Any other (data noted as read before a sync
+  dropped its IR, as for a tensor just moved with `to`; an alias of
+  another argument) goes through the host, which compiles nothing: XLA
+  compiles a clone per shape, more programs than the calls compile without
+  donation. Under SPMD the copy stays on the device, sharded as the tensor
+  is."""
+  if not _was_read(data_id_of(tensor)) and not xr.is_spmd():
+    copy = tensor.cpu().to(tensor.device)
+  else:
+    copy = torch.clone(tensor)
+  sync_alone([copy])
+  return copy
+
+
+def prepare_donating_run(entry: 'CompiledGraphEntry',
+                         args: Sequence[Any]) -> Sequence[Any]:
+  """The arguments to run a donating entry with (see [Note: Donating
+  in-place updates]): a donated argument whose buffer something else may
+  hold is replaced by a private copy."""
+  data_ids = {
+      position: data_id_of(args[position]) for position in entry.input_positions
+  }
+  readers = collections.Counter(data_ids.values())
+  copied = {
+      position: COUNTER_DONATION_COPIED
+      for position in entry.donated_positions
+      if readers[data_ids[position]] > 1
+  }
+  taken = [
+      position for position in entry.donated_positions if position not in copied
+  ]
+  for index in read_donations([args[position] for position in taken],
+                              [data_ids[position] for position in taken],
+                              [True] * len(taken)):
+    copied[taken[index]] = COUNTER_DONATION_COPIED_READ
+  if not copied:
+    return args
+  run_args = list(args)
+  for position, counter in copied.items():
+    increment_counter(counter, 1)
+    run_args[position] = private_copy(args[position])
+  return run_args
+
+
+def take_result(tensor: torch.Tensor,
+                result: torch.Tensor,
+                drop_update_log: bool = True) -> None:
+  """`tensor`, a donated argument, takes the run's updated `result` as its
+  data, as an in-place op of torch's functionalization does, without the IR
+  a `copy_` leaves on it: the next run can donate it as is (see [Note:
+  Donating in-place updates]).
+
+  [Note: Taking a result]
+  Functionalization keeps a tensor's data in an inner tensor and its updates
+  in a log on the storage it shares with its views and aliases. Replacing
+  the inner tensor by the result's and committing the update to the log is
+  what makes views and aliases follow (each replays the log when next used).
+  A sync of the tensor then only drops the log (the tensor already holds the
+  result). That sync is the dearest of the three steps, and the log is
+  dropped by any later sync as well, so a caller that takes results over
+  and over may skip it as long as it syncs every so often: the log then
+  holds at most that many entries, each a few hundred bytes of host memory
+  (the buffers were donated)."""
+  if not torch._is_functional_tensor(tensor):
+    # XLA_DISABLE_FUNCTIONALIZATION=1: a lazy tensor of its own.
+    tensor.copy_(result)
+    return
+  torch._functionalize_replace(tensor, torch._from_functional_tensor(result))
+  torch._functionalize_commit_update(tensor)
+  if drop_update_log:
+    torch._functionalize_sync(tensor)
+  note_data(result, given=True)
+
+
+def take_results(tensors: List[torch.Tensor], results: List[torch.Tensor],
+                 drop_update_log: bool) -> None:
+  """take_result of each pair, in one native call where the native module
+  is loaded."""
+  helpers = native.loaded()
+  if helpers is not None:
+    helpers.take_results(tensors, results, drop_update_log, _known_data,
+                         _KNOWN_DATA_LIMIT)
+    return
+  for tensor, result in zip(tensors, results):
+    take_result(tensor, result, drop_update_log)
+
+
+def sync_alone_noting_reads(tensors: Sequence[torch.Tensor]) -> None:
+  """sync_alone, noting the data of a tensor read since its data was set
+  (see read_since_set) as read: the sync makes a tensor whose data sat in
+  an IR node (one just moved to the device, which something may have read)
+  hold that data itself, and drops the node."""
+  read = [t for t in tensors if read_since_set(t)]
+  sync_alone(tensors)
+  for tensor in read:
+    if not read_since_set(tensor):
+      note_data(tensor, given=False)
+
+
+def data_id_of(tensor: torch.Tensor) -> str:
+  return torch_xla._XLAC._unique_id_for_ir_and_data(tensor)

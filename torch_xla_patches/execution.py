@@ -1,0 +1,105 @@
+"""Running compiled programs: the lock every run holds, the run itself with
+its refusals, and the syncs of a run's inputs.
+
+[Note: Threads] says what `execution_lock` guards. `run_program` turns
+`_run_cached_graph`'s refusals before running (an input with pending IR, an
+evicted program), told apart by their message text, into RefusedBeforeRun.
+"""
+import functools
+import threading
+from typing import Any, Callable, List, Sequence
+
+import torch
+import torch_xla
+
+from torch_xla_patches.counters import COUNTER_SYNCED_INPUTS, increment_counter
+
+_EVICTED_MESSAGE = 'Failed to get computation by hash'
+_PENDING_IR_MESSAGE = 'can not be a pending ir'
+
+# [Note: Threads]
+# Any number of threads may call compiled graphs, of one model or of many.
+# torch_xla's lazy tensors take threads; the bridge's state of a graph does
+# not on its own: the first compile of a graph (upstream's
+# xla_backend_helper compiles on the first call and then deletes the graph),
+# the signature cache and its LRU order, the backlog, the usage log. So every
+# call of a compiled graph, from its key to its outputs (look-up, trace,
+# compile, run, usage, backlog), and every precompile hold one process-wide
+# reentrant lock, `execution_lock`: one device runs one program at a time
+# anyway, and the host work under the lock is that of a single-threaded
+# call. The lock is never taken while dynamo traces (nothing here runs under
+# dynamo's compile lock), so the two cannot deadlock. Other threads build
+# lazy IR without the lock (a request's inputs) at any time, and torch_xla's
+# sync of every live tensor (torch_xla.sync()) races with them (measured:
+# "Check failed: data()->tensor_data" reading the shape of a tensor another
+# thread had just moved to the device). So nothing here syncs the device
+# before a trace or drops pending IR it did not make: a trace materializes
+# its own arguments only, restores those it updated (pending_ir_restored),
+# and its outputs die with their references. A donating run of a
+# torch.compile graph still syncs the device's pending IR when an argument
+# it takes over was read (see [Note: Donating in-place updates] in donation.py).
+execution_lock = threading.RLock()
+
+
+def holding_execution_lock(compiled: Callable[..., Any]) -> Callable[..., Any]:
+  """`compiled`, called under execution_lock (see [Note: Threads]); a boxed
+  function stays boxed."""
+
+  def locked(*args):
+    with execution_lock:
+      return compiled(*args)
+
+  if getattr(compiled, '_boxed_call', False):
+    locked._boxed_call = True
+  return locked
+
+
+class RefusedBeforeRun(RuntimeError):
+  """A compiled program was not run, and nothing of the call happened: its
+  signature is no longer cached, an input has pending IR, or XLA evicted the
+  program (see [Note: Bound programs] in bound_program.py)."""
+
+
+def run_program(graph_hash: Any, inputs: List[Any]) -> List[torch.Tensor]:
+  """`_run_cached_graph`, whose refusals before running (an input with
+  pending IR, an evicted program) raise RefusedBeforeRun."""
+  try:
+    return torch_xla._XLAC._run_cached_graph(graph_hash, inputs)
+  except RuntimeError as error:
+    message = str(error)
+    if _PENDING_IR_MESSAGE in message or _EVICTED_MESSAGE in message:
+      raise RefusedBeforeRun(message) from error
+    raise
+
+
+def refused_for_pending_ir(refusal: RefusedBeforeRun) -> bool:
+  """Whether `refusal` is for an input with pending IR (else the program was
+  evicted from XLA's cache)."""
+  return _PENDING_IR_MESSAGE in str(refusal)
+
+
+def sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
+  """Materializes the tensors that have pending IR, blocking; counted."""
+  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  if True in flags:
+    increment_counter(COUNTER_SYNCED_INPUTS, 1)
+    sync_alone([t for t, flag in zip(tensors, flags) if flag])
+
+
+def sync_alone(tensors: Sequence[torch.Tensor]) -> None:
+  """Syncs `tensors` and nothing else (see [Note: Threads]), blocking: each
+  becomes device data held by the tensor itself, whether it had pending IR
+  or its data sat in an IR node (a tensor just moved to the device); one
+  that is device data already costs nothing."""
+  if tensors:
+    torch_xla._XLAC._xla_sync_multi(list(tensors),
+                                    devices=[],
+                                    wait=True,
+                                    sync_xla_data=True)
+
+
+@functools.lru_cache(maxsize=None)
+def device_name() -> str:
+  """The process's XLA device, by name (one per process under PJRT; asking
+  torch_xla costs about 8 us per donating run)."""
+  return str(torch_xla.device())

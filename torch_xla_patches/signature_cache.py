@@ -1,0 +1,294 @@
+"""The compiled signatures of one graph: the LRU of entries, their usage for
+the signature index, and the backlog of recorded signatures.
+"""
+import collections
+import contextlib
+import functools
+import itertools
+import logging
+import time
+import weakref
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence
+
+import torch
+
+from torch_xla_patches import config, fingerprint, record, signature_index
+from torch_xla_patches.backlog import Backlog, StartFunction
+from torch_xla_patches.bound_program import BoundArgument, BoundProgram
+from torch_xla_patches.compile_window import CompileWindow
+from torch_xla_patches.counters import (COUNTER_DROPPED, COUNTER_HIT,
+                                        COUNTER_MISS, increment_counter)
+from torch_xla_patches.execution import execution_lock
+from torch_xla_patches.signature import ArgLayout, ShapeSignature
+from torch_xla_patches.tracing import CompiledGraphEntry
+
+logger = logging.getLogger('torch_xla_patches.bridge')
+
+_graph_ids = itertools.count()
+_live_caches: 'weakref.WeakSet[SignatureCache]' = weakref.WeakSet()
+
+
+def live_signature_caches() -> List['SignatureCache']:
+  """Signature caches of the graphs alive in this process."""
+  return sorted(_live_caches, key=lambda cache: cache.graph_id)
+
+
+class SignatureCache:
+  """The entries of one graph, keyed by signature, least recently used first.
+
+  [Note: Dynamo real-time input-shape cache look-up]
+  The key of a call comes from `ArgLayout.key_function()` (see [Note: Shape
+  signatures] in signature.py); entries are `CompiledGraphEntry`s in an ordered
+  dict so a cap can drop the least recently used one.
+
+  With a cache directory, every signature traced here is recorded in the
+  graph's signature index, whose `usage` log counts the calls served. The
+  signatures recorded by an earlier process (index or artifact) wait in the
+  graph's `backlog` (see [Note: Replaying recorded signatures] in backlog.py in
+  backlog.py).
+
+  Args:
+    xla_model: the graph.
+    layout: what each of its arguments is.
+    trace: traces and compiles one signature: (xla_model, args, layout) ->
+      its entry (the bridge's extract_graph_helper).
+  """
+
+  def __init__(self, xla_model: torch.fx.GraphModule, layout: ArgLayout,
+               trace: Callable[[torch.fx.GraphModule, Sequence[Any], ArgLayout],
+                               CompiledGraphEntry]):
+    self.graph_id = next(_graph_ids)
+    self._trace = trace
+    self.xla_model = xla_model
+    self.layout = layout
+    self.key_of = layout.key_function()
+    self.entries: 'collections.OrderedDict[Hashable, CompiledGraphEntry]' = (
+        collections.OrderedDict())
+    self._warned_cap = False
+    # Signatures a precompile() claimed (see [Note: Parallel precompile] in
+    # compile_window.py): None until compiled, then the entry, moved to
+    # `entries` by the miss of the call that asks for it.
+    self.precompiled: Dict[Hashable, Optional[CompiledGraphEntry]] = {}
+    self.backlog = Backlog(self.graph_id, layout, self._compile_recorded,
+                           self._compile_window)
+    self.usage: Optional[signature_index.UsageLog] = None
+    if config.cache_dir:
+      index = signature_index.GraphIndex(
+          config.cache_dir, fingerprint.graph_fingerprint(xla_model, layout),
+          layout, config.index_max_signatures)
+      self.usage = signature_index.UsageLog(index, config.usage_flush_seconds)
+    _live_caches.add(self)
+
+  # -- entries
+
+  def look_up(self, key: Hashable) -> Optional[CompiledGraphEntry]:
+    """The entry of `key`, now the most recently used, counted as a hit;
+    None if the signature has none. Every run of a cached program, through
+    the bridge's callable or a BoundProgram, starts here."""
+    entry = self.entries.get(key)
+    if entry is not None:
+      increment_counter(COUNTER_HIT, 1)
+      self.entries.move_to_end(key)
+    return entry
+
+  def served(self, key: Hashable) -> None:
+    """After every call of `key` that ran: its served count for the
+    signature index, and one recorded signature of the backlog compiled
+    (see [Note: Replaying recorded signatures] in backlog.py)."""
+    usage = self.usage
+    if usage is not None:
+      usage.served[key] += 1
+      if time.monotonic() >= usage.next_flush:
+        usage.flush()
+    if self.backlog:
+      self.backlog.after_served_call()
+
+  def trace(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
+    entry = self._trace(self.xla_model, args, self.layout)
+    self._add_entry(key, entry)
+    return entry
+
+  def _add_entry(self, key: Hashable, entry: CompiledGraphEntry) -> None:
+    self.entries[key] = entry
+    self.entries.move_to_end(key)
+    cap = config.max_signatures_per_graph
+    while cap > 0 and len(self.entries) > cap:
+      self.entries.popitem(last=False)
+      increment_counter(COUNTER_DROPPED, 1)
+      if not self._warned_cap:
+        self._warned_cap = True
+        logger.warning(
+            'torch_xla_patches: graph %d has more than %d shape signatures; '
+            'dropping the least recently used ones. Raise '
+            'XLA_PATCHES_MAX_SIGNATURES (0: no cap) or pad shapes into '
+            'buckets.', self.graph_id, cap)
+
+  def _trace_and_record(self, key: Hashable,
+                        args: Sequence[Any]) -> CompiledGraphEntry:
+    entry = self.trace(key, args)
+    if self.usage is not None:
+      self.usage.record(key, record.make_record(self.layout, args))
+    return entry
+
+  def on_miss(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
+    increment_counter(COUNTER_MISS, 1)
+    if config.explain_misses:
+      logger.info('%s', self.explain_miss(args))
+    entry = self.precompiled.pop(key, None)
+    if entry is not None:
+      self._add_prepared(key, entry, args)
+      return entry
+    return self._trace_and_record(key, args)
+
+  def _add_prepared(self, key: Hashable, entry: CompiledGraphEntry,
+                    args: Sequence[Any]) -> None:
+    self._add_entry(key, entry)
+    if self.usage is not None:
+      self.usage.record(key, record.make_record(self.layout, args))
+
+  def _compile_recorded(self, args: List[Any]) -> bool:
+    key = self.key_of(args)
+    if key in self.entries:
+      return False
+    if key in self.precompiled:
+      entry = self.precompiled[key]
+      if entry is None:
+        # A precompile() call claimed it: serially, that call compiled it
+        # already.
+        return False
+      del self.precompiled[key]
+      self._add_prepared(key, entry, args)
+      return True
+    self._trace_and_record(key, args)
+    return True
+
+  @contextlib.contextmanager
+  def _compile_window(self, workers: int) -> Iterator[StartFunction]:
+    """Opens a window in which recorded signatures are traced here and compiled
+    on `workers` threads (see [Note: Parallel compiles] in
+    compile_window.py)."""
+    window = CompileWindow(workers)
+    started = set()
+    with window.opened():
+      yield functools.partial(self._start_recorded, window, started)
+
+  def _start_recorded(self, window: CompileWindow, started: set,
+                      args: List[Any]) -> Callable[[], bool]:
+    """Traces rebuilt arguments now; the function returned waits for their
+    compile, then adds the entry and returns what _compile_recorded would."""
+    key = self.key_of(args)
+    if key in self.entries:
+      return lambda: False
+    if key in started or key in self.precompiled:
+      # The same signature is in flight, or claimed by a precompile():
+      # decided in turn, as serially.
+      def in_turn() -> bool:
+        window.wait()
+        return self._compile_recorded(args)
+
+      return in_turn
+    started.add(key)
+    made = record.make_record(self.layout, args) if self.usage else None
+    entry, future = window.trace(self.xla_model, args, self.layout)
+
+    def finish() -> bool:
+      if future is not None:
+        future.result()
+      self._add_entry(key, entry)
+      if made is not None:
+        self.usage.record(key, made)
+      return True
+
+    return finish
+
+  def explain_miss(self, args: Sequence[Any]) -> str:
+    signature = self.layout.signature_of(args)
+    header = f'[torch_xla_patches] graph {self.graph_id}: new shape signature'
+    if not self.entries:
+      return f'{header} (first of this graph)'
+    closest = min((signature.differences(entry.signature)
+                   for entry in self.entries.values()),
+                  key=len)
+    return f'{header}; closest known differs in: ' + '; '.join(closest)
+
+  def signatures(self) -> List[ShapeSignature]:
+    return [entry.signature for entry in self.entries.values()]
+
+  # -- recorded signatures
+
+  @property
+  def backlog_size(self) -> int:
+    return len(self.backlog)
+
+  def queue_recorded(self, records: Sequence[record.RecordedSignature],
+                     live_args: Sequence[Any]) -> None:
+    """Queues recorded signatures (see [Note: Replaying recorded signatures] in
+    backlog.py) and, in 'sync' mode before the first call is served, compiles
+    what that call's budget still allows."""
+    self.backlog.queue(records, live_args)
+    self.backlog.drain_for_first_call()
+
+  def queue_index_records(self, live_args: Sequence[Any]) -> None:
+    """Queues what the signature index recorded for this graph."""
+    if self.usage is None:
+      return
+    index = self.usage.index
+    contents = index.load()
+    for problem in contents.problems:
+      self.backlog.skip_unreadable(problem.path, problem.reason)
+    if not contents.records and config.explain_cache:
+      logger.info('[torch_xla_patches] no recorded signatures for graph %s: %s',
+                  index.fingerprint.key, index.explain_miss())
+    self.queue_recorded(contents.records, live_args)
+
+  def drain_backlog(self) -> int:
+    """Compiles every queued signature now; returns how many compiled."""
+    with execution_lock:
+      return self.backlog.drain_all().compiled
+
+  # -- bound programs
+
+  def bound_program(self, args: Sequence[Any],
+                    free_index: Dict[int, int]) -> Optional['BoundProgram']:
+    """The compiled program of the signature of `args`, with every argument
+    whose position is not in `free_index` (position -> index among the free
+    arguments of a call) bound to the tensor `args` holds there now (see [Note:
+    Bound programs] in bound_program.py); None if that signature is not
+    compiled, or if its program cannot be bound (it draws a random seed, returns
+    an
+    argument)."""
+    key = self.key_of(args)
+    with execution_lock:
+      entry = self.entries.get(key)
+    if entry is None:
+      return None
+    matcher = entry.graph_input_matcher
+    if matcher.draws_seed or entry.output_plan.returned_args:
+      return None
+    inputs = []
+    free_slots = []
+    for slot, (arg_idx, constant) in enumerate(
+        zip(matcher.arg_idxs, matcher.graph_input_xla_values)):
+      if arg_idx is None:
+        inputs.append(constant)
+      elif arg_idx in free_index:
+        if not self.layout.kinds[arg_idx].is_tensor:
+          return None
+        free_slots.append((slot, free_index[arg_idx]))
+        inputs.append(None)
+      else:
+        inputs.append(args[arg_idx])
+
+    def source(position: int) -> BoundArgument:
+      return BoundArgument(
+          free_index=free_index.get(position),
+          bound=None if position in free_index else args[position])
+
+    updated = {
+        position: source(position)
+        for position, _ in entry.output_plan.inplace_updates
+    }
+    donated = tuple((matcher.arg_idxs.index(position), source(position))
+                    for position in entry.donated_positions)
+    return BoundProgram(self, key, entry, inputs, tuple(free_slots), updated,
+                        donated)
