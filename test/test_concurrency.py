@@ -200,7 +200,9 @@ class WatchedLock:
   def wait_until(self, predicate):
     """Until predicate(states) holds."""
     with self._changed:
-      self._changed.wait_for(lambda: predicate(self.states))
+      # A bound, so that a lock the watch does not see fails, not hangs.
+      assert self._changed.wait_for(lambda: predicate(self.states),
+                                    timeout=120), self.states
 
   def held_here(self):
     return self._owner == threading.get_ident()

@@ -9,7 +9,7 @@ import torch_xla.debug.metrics as met
 from hypothesis import given, strategies as st
 
 import torch_xla_patches
-from torch_xla_patches import TensorSpec, call_spec, config, fast_dispatch
+from torch_xla_patches import TensorSpec, call_plan, call_spec, config, fast_dispatch
 
 pytestmark = pytest.mark.requires('torch_aot_compile')
 
@@ -463,16 +463,16 @@ def test_the_plan_is_checked_against_the_full_path():
   model = torch.nn.Linear(2, 2)
   x = torch.randn(3, 2)
   stray = torch.randn(2)
-  with pytest.raises(fast_dispatch.PlanError,
+  with pytest.raises(call_plan.PlanError,
                      match='graph argument 1 is a tensor that is neither a '
                      'call argument nor a parameter or buffer of the model'):
-    fast_dispatch.ArgumentPlan.of_call(model, (x,), (x, stray), [])
-  with pytest.raises(fast_dispatch.PlanError,
+    call_plan.ArgumentPlan.of_call(model, (x,), (x, stray), [])
+  with pytest.raises(call_plan.PlanError,
                      match=r'graph argument 1 \(int\) is not a size of a call '
                      'argument'):
-    fast_dispatch.ArgumentPlan.of_call(model, (x,), (x, 3), [])
-  plan = fast_dispatch.ArgumentPlan.of_call(model, (x,),
-                                            (model.weight, x, model.bias), [])
+    call_plan.ArgumentPlan.of_call(model, (x,), (x, 3), [])
+  plan = call_plan.ArgumentPlan.of_call(model, (x,),
+                                        (model.weight, x, model.bias), [])
   assert plan.user_positions == ((1, 0),)
   y = torch.randn(5, 2)
   rebuilt = plan.graph_args((y,))

@@ -20,7 +20,7 @@ import torch
 import torch_xla
 from hypothesis import given, strategies as st
 
-from torch_xla_patches import call_spec, config, donation, fast_dispatch
+from torch_xla_patches import call_plan, call_spec, config, donation, fast_dispatch
 from torch_xla_patches import native
 
 pytestmark = pytest.mark.skipif(
@@ -249,9 +249,9 @@ def test_sharding_is_part_of_the_key():
 def test_the_bound_tensor_check_sees_what_its_twin_sees(native_module):
   layer = torch.nn.Linear(4, 3).to(torch_xla.device())
   tensors = [layer.weight, layer.bias]
-  checks = [fast_dispatch.BoundTensorCheck(tensors)]
+  checks = [call_plan.BoundTensorCheck(tensors)]
   with python_twin():
-    checks.append(fast_dispatch.BoundTensorCheck(tensors))
+    checks.append(call_plan.BoundTensorCheck(tensors))
   assert [check() for check in checks] == [True, True]
   weight = layer.weight.data
   for data, unchanged in [(torch.ones(3, 4), True), (torch.ones(4, 3), False),

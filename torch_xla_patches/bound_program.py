@@ -11,7 +11,8 @@ import torch
 from torch_xla_patches.counters import (COUNTER_DONATION_COPIED_READ,
                                         increment_counter)
 from torch_xla_patches.donation import private_copy, read_donations
-from torch_xla_patches.execution import RefusedBeforeRun, execution_lock
+from torch_xla_patches import execution
+from torch_xla_patches.execution import RefusedBeforeRun
 from torch_xla_patches.program_run import run_entry
 from torch_xla_patches.tracing import CompiledGraphEntry
 
@@ -87,7 +88,7 @@ class BoundProgram:
   def __call__(self, free_args: Sequence[torch.Tensor]) -> List[Any]:
     """Runs the program; returns every graph output, in order. Raises
     RefusedBeforeRun if it cannot start."""
-    with execution_lock:
+    with execution.execution_lock:
       cache = self._cache
       if cache.look_up(self.key) is not self._entry:
         raise RefusedBeforeRun('the signature\'s entry was dropped from the '

@@ -20,7 +20,7 @@ from torch_xla_patches.counters import (COUNTER_HIT, COUNTER_MISS,
                                         increment_counter)
 from torch_xla_patches.donation import (count_epilogue_updates, sets_own_donors,
                                         sync_alone_noting_reads)
-from torch_xla_patches.execution import execution_lock
+from torch_xla_patches import execution
 from torch_xla_patches.signature import ArgLayout
 from torch_xla_patches.tracing import (ArgumentsRestore, CompiledGraphEntry,
                                        trace_donating, trace_graph)
@@ -248,7 +248,7 @@ class PrecompileCalls:
   def compile(self) -> ClaimsCompiled:
     """Traces every claim here and compiles it on the workers, in order,
     stopping at the first that raises."""
-    with execution_lock:
+    with execution.execution_lock:
       return self._compile()
 
   def _compile(self) -> ClaimsCompiled:

@@ -34,7 +34,8 @@ from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
 from torch_xla_patches.donation import (count_epilogue_updates,
                                         prepare_donating_run, sets_own_donors,
                                         sync_alone_noting_reads)
-from torch_xla_patches.execution import (RefusedBeforeRun, execution_lock,
+from torch_xla_patches import execution
+from torch_xla_patches.execution import (RefusedBeforeRun,
                                          refused_for_pending_ir)
 from torch_xla_patches.program_run import run_entry
 from torch_xla_patches.signature import (ArgKind, ArgLayout, check_scalar_input,
@@ -134,7 +135,7 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     raise refusal.__cause__ or refusal
 
   def optimized_mod(*args):
-    with execution_lock:
+    with execution.execution_lock:
       key = key_of(args)
       entry = cache.look_up(key)
       if entry is None:
@@ -232,7 +233,8 @@ class InputCollector(torch.fx.Interpreter):
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   torch_xla._XLAC._xla_increment_counter('DynamoExtractCompiledGraph', 1)
-  with execution_lock, torch_xla.experimental.eager_mode_context(False):
+  with execution.execution_lock, torch_xla.experimental.eager_mode_context(
+      False):
     return extract_compiled_graph_helper(xla_model, xla_args)
 
 

@@ -5,7 +5,7 @@ A served call (ServedModel) normally goes through the code dynamo
 captured: its guards, then bytecode that reads every parameter of the model
 and calls the compiled graph, then the bridge's per-call key. The fast path
 does the same work from what it learned on an earlier call:
-  * An ArgumentPlan, built from one call of the full path: where each graph
+  * An call_plan.ArgumentPlan, built from one call of the full path: where each graph
     argument comes from (a user argument, a parameter or buffer of the model,
     a size of a user argument), checked once against the arguments the full
     path handed the graph.
@@ -46,17 +46,15 @@ fast path checks"); `config.serve_verify` runs dynamo's guards on every fast
 call to find such a change.
 """
 import dataclasses
-import dis
 import itertools
 import logging
-import operator
 import weakref
-from numbers import Number
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 import torch_xla
 
+from torch_xla_patches import call_plan
 from torch_xla_patches import call_spec
 from torch_xla_patches import config
 from torch_xla_patches import execution
@@ -154,203 +152,6 @@ class ModuleWatch:
 module_watch = ModuleWatch()
 
 
-class PlanError(Exception):
-  """Why a served model's calls cannot take the fast path."""
-
-
-# [Note: Captured code the fast path can stand in for]
-# The fast path replaces the captured code, so it may only do so for code
-# that reads the graph's arguments (from the model's _modules, _parameters
-# and _buffers and the call's arguments, sizes through dynamo's call_size),
-# calls the graph and builds the result from its outputs and the arguments.
-# Anything else (a setattr dynamo replays, a global read, a constructor call)
-# is a reason for no plan. Python 3.11's opcodes.
-_PLAIN_OPCODES = frozenset({
-    'RESUME', 'NOP', 'CACHE', 'LOAD_FAST', 'LOAD_CONST', 'STORE_FAST',
-    'DELETE_FAST', 'BINARY_SUBSCR', 'COPY', 'SWAP', 'POP_TOP', 'PUSH_NULL',
-    'PRECALL', 'CALL', 'KW_NAMES', 'BUILD_TUPLE', 'BUILD_LIST', 'BUILD_MAP',
-    'BUILD_CONST_KEY_MAP', 'LIST_EXTEND', 'LIST_APPEND', 'LIST_TO_TUPLE',
-    'UNPACK_SEQUENCE', 'RETURN_VALUE', 'RETURN_CONST'
-})
-_PLAIN_ATTRIBUTES = frozenset({
-    '_modules', '_parameters', '_buffers', 'call_size',
-    'record_pregraph_bytecode_enter', 'record_pregraph_bytecode_exit'
-})
-_PLAIN_GLOBAL_PREFIXES = ('__compiled_fn', '__import_torch_dot__dynamo_dot_')
-
-
-def check_captured_code(code: Any) -> None:
-  """Raises PlanError naming the first instruction of `code` the fast path
-  cannot stand in for (see [Note: Captured code the fast path can stand in
-  for])."""
-  for instruction in dis.get_instructions(code):
-    name, argument = instruction.opname, instruction.argval
-    if name in _PLAIN_OPCODES:
-      continue
-    if name == 'LOAD_ATTR' and argument in _PLAIN_ATTRIBUTES:
-      continue
-    if name == 'LOAD_GLOBAL' and str(argument).startswith(
-        _PLAIN_GLOBAL_PREFIXES):
-      continue
-    raise PlanError(f'the captured code does more than call the graph '
-                    f'({name} {argument!r} at offset {instruction.offset})')
-
-
-@dataclasses.dataclass(frozen=True)
-class ArgumentPlan:
-  """Where each graph argument of a served call comes from.
-
-  User arguments are the call's leaves (see [Note: Served call structure]),
-  by index.
-
-  Args:
-    bound: the graph arguments that are parameters and buffers of the model,
-      by identity, at their positions; None at the others.
-    user_positions: (graph position, leaf index) of each graph argument that
-      is a tensor leaf of the call.
-    size_positions: (graph position, leaf index, dim) of each graph argument
-      that is a size of a tensor leaf.
-  """
-  bound: Tuple[Optional[torch.Tensor], ...]
-  user_positions: Tuple[Tuple[int, int], ...]
-  size_positions: Tuple[Tuple[int, int, int], ...]
-
-  def graph_args(self, user_args: Sequence[Any]) -> List[Any]:
-    args = list(self.bound)
-    for position, index in self.user_positions:
-      args[position] = user_args[index]
-    for position, index, dim in self.size_positions:
-      args[position] = user_args[index].shape[dim]
-    return args
-
-  @property
-  def free_index(self) -> Dict[int, int]:
-    """Graph position -> user argument index, for the bridge's
-    bound_program."""
-    return dict(self.user_positions)
-
-  @classmethod
-  def of_call(cls, model: torch.nn.Module, user_args: Sequence[Any],
-              graph_args: Sequence[Any],
-              placeholder_values: Sequence[Any]) -> 'ArgumentPlan':
-    """The plan of a full call that handed the graph `graph_args`; checked
-    against them. Raises PlanError naming the argument it cannot place."""
-    user_index = _tensor_index(user_args)
-    state = {
-        id(tensor)
-        for tensor in list(model.parameters()) + list(model.buffers())
-    }
-    if len(placeholder_values) != len(graph_args):
-      placeholder_values = [None] * len(graph_args)
-    # Size symbol -> (graph position, dim) of its first tensor.
-    symbol_source: Dict[str, Tuple[int, int]] = {}
-    for position, value in enumerate(placeholder_values):
-      if isinstance(value, torch.Tensor):
-        for dim, size in enumerate(value.shape):
-          if isinstance(size, torch.SymInt):
-            symbol_source.setdefault(str(size.node.expr), (position, dim))
-    bound: List[Optional[torch.Tensor]] = [None] * len(graph_args)
-    user_positions = []
-    size_positions = []
-    for position, arg in enumerate(graph_args):
-      if isinstance(arg, torch.Tensor):
-        if id(arg) in user_index:
-          user_positions.append((position, user_index[id(arg)]))
-        elif id(arg) in state:
-          bound[position] = arg
-        else:
-          raise PlanError(f'graph argument {position} is a tensor that is '
-                          'neither a call argument nor a parameter or buffer '
-                          'of the model')
-        continue
-      value = placeholder_values[position]
-      if isinstance(arg, int) and isinstance(value, torch.SymInt):
-        source = symbol_source.get(str(value.node.expr))
-        if source is not None and isinstance(graph_args[source[0]],
-                                             torch.Tensor):
-          tensor = graph_args[source[0]]
-          if id(tensor) in user_index:
-            size_positions.append((position, user_index[id(tensor)], source[1]))
-            continue
-      raise PlanError(f'graph argument {position} ({type(arg).__name__}) is '
-                      'not a size of a call argument')
-    plan = cls(bound=tuple(bound),
-               user_positions=tuple(user_positions),
-               size_positions=tuple(size_positions))
-    plan.check(user_args, graph_args)
-    return plan
-
-  def check(self, user_args: Sequence[Any], graph_args: Sequence[Any]) -> None:
-    """Raises PlanError unless the plan gives a full call's `graph_args`
-    from its leaves `user_args`."""
-    if len(graph_args) != len(self.bound):
-      raise PlanError(f'the graph took {len(graph_args)} arguments, the plan '
-                      f'gives {len(self.bound)}')
-    try:
-      rebuilt = self.graph_args(user_args)
-    except (IndexError, AttributeError):
-      raise PlanError('the call\'s arguments have another structure than '
-                      'the plan\'s') from None
-    for position, (ours, theirs) in enumerate(zip(rebuilt, graph_args)):
-      same = (ours is theirs if isinstance(theirs, torch.Tensor) else
-              type(ours) is type(theirs) and ours == theirs)
-      if not same:
-        raise PlanError(f'the plan gives graph argument {position} '
-                        f'{ours!r}, the full path {theirs!r}')
-
-
-OutputMap = Callable[[Sequence[Any], Sequence[Any]], Any]
-
-
-def output_map(result: Any, graph_outputs: Sequence[Any],
-               user_args: Sequence[Any]) -> OutputMap:
-  """A function (graph outputs, user arguments) -> the user's result, read
-  off one full call whose result was `result`. Raises PlanError for a part
-  of the result that is not a graph output, a user argument or None."""
-  output_index = {id(out): i for i, out in enumerate(graph_outputs)}
-  if isinstance(result, torch.Tensor) and id(result) in output_index:
-    return _bare_output(output_index[id(result)])
-  user_index = _tensor_index(user_args)
-  flatten, unflatten = torch_internals.pytree()
-  leaves, spec = flatten(result)
-  sources = []  # ('output' | 'arg', index) or (None, None)
-  for leaf in leaves:
-    if isinstance(leaf, torch.Tensor) and id(leaf) in output_index:
-      sources.append(('output', output_index[id(leaf)]))
-    elif isinstance(leaf, torch.Tensor) and id(leaf) in user_index:
-      sources.append(('arg', user_index[id(leaf)]))
-    elif leaf is None:
-      sources.append((None, None))
-    else:
-      raise PlanError(f'the result holds a {type(leaf).__name__} that is '
-                      'not a graph output')
-  sources = tuple(sources)
-
-  def rebuild(outputs: Sequence[Any], args: Sequence[Any]) -> Any:
-    leaves = [
-        None if kind is None else
-        (outputs[index] if kind == 'output' else args[index])
-        for kind, index in sources
-    ]
-    return unflatten(leaves, spec)
-
-  return rebuild
-
-
-def _bare_output(index: int) -> OutputMap:
-  return lambda outputs, args: outputs[index]
-
-
-def _tensor_index(leaves: Sequence[Any]) -> Dict[int, int]:
-  """id -> leaf index of the call's tensors (call_key has refused a call
-  that passes one tensor twice)."""
-  return {
-      id(leaf): index
-      for index, leaf in enumerate(leaves)
-      if isinstance(leaf, torch.Tensor)
-  }
-
-
 class ServedModel:
   """What serve() returns: call it like the model.
 
@@ -437,13 +238,13 @@ class ServedCalls:
     # Why there is no fast path, once known for good (the captured code).
     self.disabled_reason: Optional[str] = None
     try:
-      check_captured_code(compiled.transformed_code)
-    except PlanError as e:
+      call_plan.check_captured_code(compiled.transformed_code)
+    except call_plan.PlanError as e:
       self._disable(str(e))
     self._learned = _Learned.NOTHING
     self._retraced: Optional[Callable[..., Any]] = None
     # The bound-tensor check that last failed, until it passes again.
-    self._changed_behind: Optional[BoundTensorCheck] = None
+    self._changed_behind: Optional[call_plan.BoundTensorCheck] = None
     self._warned_verify = False
     self._last_plan_error: Optional[str] = None
     # Calls served by the fast path.
@@ -548,7 +349,7 @@ class ServedCalls:
     return result
 
   def _refuse_changed_behind(self) -> None:
-    """Raises BoundTensorChanged while a parameter or buffer the program
+    """Raises call_plan.BoundTensorChanged while a parameter or buffer the program
     binds has another dtype, shape or strides behind the same object:
     dynamo's guards accepted the call, and the program would be handed a
     tensor it was not compiled for."""
@@ -556,7 +357,7 @@ class ServedCalls:
     if check.unchanged():
       self._changed_behind = None
       return
-    raise BoundTensorChanged(
+    raise call_plan.BoundTensorChanged(
         f'torch_xla_patches.serve: {check.describe(self._model)} of '
         f'{type(self._model).__name__} changed behind its object (a `.data` '
         'assignment or torch.utils.swap_tensors), which dynamo\'s guards do '
@@ -603,15 +404,15 @@ class ServedCalls:
       try:
         plan, bound_check = learned.plan, learned.bound_check
         if plan is None:
-          plan = ArgumentPlan.of_call(
+          plan = call_plan.ArgumentPlan.of_call(
               self._model, leaves, call[0],
               self._backend.placeholder_values(len(call[0])))
-          bound_check = BoundTensorCheck(
+          bound_check = call_plan.BoundTensorCheck(
               [t for t in plan.bound if t is not None])
         else:
           plan.check(leaves, call[0])
         run = self._make_run(plan, leaves, result, call)
-      except PlanError as e:
+      except call_plan.PlanError as e:
         # Learned again from the next full call.
         self._learned = _Learned.NOTHING
         if str(e) != self._last_plan_error:
@@ -632,10 +433,10 @@ class ServedCalls:
                                bound_check=bound_check,
                                runs=runs)
 
-  def _make_run(self, plan: ArgumentPlan, leaves: Sequence[Any], result: Any,
-                call: Tuple[tuple, tuple]) -> '_Run':
+  def _make_run(self, plan: call_plan.ArgumentPlan, leaves: Sequence[Any],
+                result: Any, call: Tuple[tuple, tuple]) -> '_Run':
     graph_args, graph_outputs = call
-    rebuild = output_map(result, graph_outputs, leaves)
+    rebuild = call_plan.output_map(result, graph_outputs, leaves)
     backend = self._backend
 
     def through_bridge(leaves: Sequence[Any]) -> Any:
@@ -687,70 +488,15 @@ class _Learned:
   """
   generation: int
   global_states: Tuple[Any, ...]
-  plan: Optional[ArgumentPlan]
-  bound_check: 'BoundTensorCheck'
+  plan: Optional[call_plan.ArgumentPlan]
+  bound_check: 'call_plan.BoundTensorCheck'
   runs: Dict[Hashable, _Run]
-
-
-class BoundTensorChanged(RuntimeError):
-  """A parameter or buffer a served program binds changed dtype, shape or
-  strides behind its Python object (see ServedCalls)."""
-
-
-def _metadata(tensors: Sequence[torch.Tensor]) -> List[tuple]:
-  return [(t.dtype, t.device, t.shape, t.stride()) for t in tensors]
-
-
-class BoundTensorCheck:
-  """Whether the tensors a plan binds (parameters and buffers) keep the
-  dtype, device, shape and strides they had: `.data` and `swap_tensors`
-  change them behind the same objects, where no hook sees it. Called on
-  every fast call: one C++ call, the native module's metadata where it is
-  loaded, else dynamo's tensor guards."""
-
-  def __init__(self, tensors: Sequence[torch.Tensor]):
-    self._tensors = list(tensors)
-    self._metadata = _metadata(self._tensors)
-    helpers = native.loaded()
-    self._native_metadata = helpers.metadata if helpers else None
-    self._packed = helpers.metadata(self._tensors) if helpers else None
-    self._check = (torch_internals.tensor_metadata_check(self._tensors)
-                   if self._tensors and not helpers else None)
-
-  def __call__(self) -> bool:
-    if self._native_metadata is not None:
-      return self._native_metadata(self._tensors) == self._packed
-    # The C++ check also compares dispatch keys, which depend on the
-    # calling thread's mode (inference_mode excludes autograd's): where it
-    # refuses, the metadata itself decides.
-    return (self._check is None or self._check(*self._tensors) or
-            self.unchanged())
-
-  def unchanged(self) -> bool:
-    return _metadata(self._tensors) == self._metadata
-
-  def describe(self, model: torch.nn.Module) -> str:
-    """The first changed tensor, by name, then and now."""
-    names = {
-        id(t): name for name, t in list(model.named_parameters()) +
-        list(model.named_buffers())
-    }
-    for tensor, then in zip(self._tensors, self._metadata):
-      if _metadata([tensor])[0] != then:
-        return (f'{names.get(id(tensor), "a bound tensor")} (compiled as '
-                f'{_describe(then[0], then[2])}, now '
-                f'{_describe(tensor.dtype, tensor.shape)})')
-    return 'a bound tensor'
-
-
-def _describe(dtype: torch.dtype, shape: torch.Size) -> str:
-  return f'{str(dtype).replace("torch.", "")}{list(shape)}'
 
 
 _Learned.NOTHING = _Learned(generation=-1,
                             global_states=(),
                             plan=None,
-                            bound_check=BoundTensorCheck(()),
+                            bound_check=call_plan.BoundTensorCheck(()),
                             runs={})
 
 

@@ -18,7 +18,7 @@ from torch_xla_patches.bound_program import BoundArgument, BoundProgram
 from torch_xla_patches.compile_window import CompileWindow
 from torch_xla_patches.counters import (COUNTER_DROPPED, COUNTER_HIT,
                                         COUNTER_MISS, increment_counter)
-from torch_xla_patches.execution import execution_lock
+from torch_xla_patches import execution
 from torch_xla_patches.signature import ArgLayout, ShapeSignature
 from torch_xla_patches.tracing import CompiledGraphEntry
 
@@ -243,7 +243,7 @@ class SignatureCache:
 
   def drain_backlog(self) -> int:
     """Compiles every queued signature now; returns how many compiled."""
-    with execution_lock:
+    with execution.execution_lock:
       return self.backlog.drain_all().compiled
 
   # -- bound programs
@@ -258,7 +258,7 @@ class SignatureCache:
     an
     argument)."""
     key = self.key_of(args)
-    with execution_lock:
+    with execution.execution_lock:
       entry = self.entries.get(key)
     if entry is None:
       return None
