@@ -11,8 +11,8 @@ import torch_xla.debug.metrics as met
 
 import torch_xla_patches
 from torch_xla_patches import counters as bridge_counters
-from torch_xla_patches import (TensorSpec, config, execution, fast_dispatch,
-                               program_run, tracing)
+from torch_xla_patches import (TensorSpec, call_plan, config, execution,
+                               fast_dispatch, program_run, tracing)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
@@ -439,7 +439,7 @@ def test_a_bound_tensor_changed_behind_its_object(patched_bridge, change, now):
   model.scale.data = change(compiled_scale)
   modules_changed = counter(fast_dispatch.COUNTER_FALLBACK_MODULE)
   for _ in range(2):
-    with pytest.raises(fast_dispatch.BoundTensorChanged,
+    with pytest.raises(call_plan.BoundTensorChanged,
                        match=r'scale \(compiled as float32\[8\], now ' + now +
                        r'\) of Scaled changed behind its object'):
       served(xla(torch.randn(4, WIDTH)))
