@@ -48,13 +48,10 @@ OPTIMIZERS = {
 }
 
 
-def train(optimizer_name: str, foreach: bool, out: str) -> None:
-  """STEPS compiled training steps from fixed weights and data, in a process
-  of their own (XLA's compile cache is the process's): saves the model's
-  state, the optimizer's state (tensors on the CPU), the XLA compiles and
-  the patch's donation counters to `out`."""
-  torch_xla_patches.apply()
-  device = torch_xla.device()
+def compiled_step(optimizer_name: str, foreach: bool, device: torch.device):
+  """(model, optimizer, the training step compiled): forward, backward and
+  the optimizer's step in one function, as upstream's
+  DynamoTrainingOptimizerTest writes it; tools/bench_training.py times it."""
   torch.manual_seed(0)
   model = ConvNet().to(device).train()
   optimizer = OPTIMIZERS[optimizer_name](model.parameters(), foreach)
@@ -67,15 +64,36 @@ def train(optimizer_name: str, foreach: bool, out: str) -> None:
     optimizer.step()
     return loss
 
-  compiled = torch.compile(step, backend='openxla')
+  return model, optimizer, torch.compile(step, backend='openxla')
+
+
+# The counters that say what donation did.
+DONATION_COUNTERS = (bridge_counters.COUNTER_DONATED,
+                     bridge_counters.COUNTER_DONATION_VIEW,
+                     bridge_counters.COUNTER_DONATION_ALIAS,
+                     bridge_counters.COUNTER_DONATION_FALLBACK,
+                     bridge_counters.COUNTER_DONATION_EPILOGUE,
+                     bridge_counters.COUNTER_DONATION_COPIED,
+                     bridge_counters.COUNTER_DONATION_COPIED_READ,
+                     bridge_counters.COUNTER_DONATION_READERS_SYNCED)
+
+
+def train(optimizer_name: str, foreach: bool, out: str) -> None:
+  """STEPS compiled training steps from fixed weights and data, in a process
+  of their own (XLA's compile cache is the process's): saves the model's
+  state, the optimizer's state (tensors on the CPU), the XLA compiles and
+  the patch's donation counters to `out`."""
+  torch_xla_patches.apply()
+  device = torch_xla.device()
+  model, optimizer, compiled = compiled_step(optimizer_name, foreach, device)
   generator = torch.Generator().manual_seed(1)
   met.clear_all()
 
   def donation_counters():
     return {
         name: met.counter_value(name)
-        for name in met.counter_names()
-        if name.startswith('DynamoDonat')
+        for name in DONATION_COUNTERS
+        if name in met.counter_names()
     }
 
   for step_index in range(STEPS):

@@ -26,21 +26,9 @@ import torch_xla.debug.metrics as met
 if {patched!r}:
   import torch_xla_patches
   torch_xla_patches.apply()
-from test_training_donation import ConvNet, OPTIMIZERS
+from test_training_donation import compiled_step
 device = torch_xla.device()
-torch.manual_seed(0)
-model = ConvNet().to(device).train()
-optimizer = OPTIMIZERS[{optimizer!r}](model.parameters(), False)
-loss_fn = torch.nn.CrossEntropyLoss()
-
-def step(x, target):
-  optimizer.zero_grad(True)
-  loss = loss_fn(model(x), target)
-  loss.backward()
-  optimizer.step()
-  return loss
-
-compiled = torch.compile(step, backend='openxla')
+_, _, compiled = compiled_step({optimizer!r}, False, device)
 x = torch.randn(4, 3, 6, 6).to(device)
 target = torch.randint(0, 5, (4,)).to(device)
 met.clear_all()
