@@ -69,5 +69,34 @@ def test_the_export_module_decodes_as_eager_under_torch_compile(patched_bridge):
       assert buffer.abs().sum().item() > 0, name
 
 
+def test_generate_with_a_static_cache_on_a_compiled_forward(patched_bridge):
+  """transformers' generate() with a static cache, its forward under
+  torch.compile (as transformers' docs show): eager's tokens. Its caches'
+  scalars (a 0-dim tensor copied for a run) once made the run refuse a
+  transfer in flight."""
+  config = transformers.LlamaConfig(vocab_size=64,
+                                    hidden_size=32,
+                                    intermediate_size=64,
+                                    num_hidden_layers=LAYERS,
+                                    num_attention_heads=4,
+                                    num_key_value_heads=2,
+                                    max_position_embeddings=64)
+  torch.manual_seed(0)
+  cpu = transformers.LlamaForCausalLM(config).eval()
+  ids = torch.tensor([PROMPT])
+  generate_args = dict(max_new_tokens=6,
+                       cache_implementation='static',
+                       max_cache_len=CACHE,
+                       do_sample=False)
+  expected = cpu.generate(ids, **generate_args)
+  model = transformers.LlamaForCausalLM(config).eval()
+  model.load_state_dict(cpu.state_dict())
+  model = model.to(torch_xla.device())
+  model.forward = torch.compile(model.forward, backend='openxla')
+  for _ in range(2):
+    got = model.generate(ids.to(torch_xla.device()), **generate_args)
+    assert torch.equal(got.cpu(), expected)
+
+
 if __name__ == '__main__':
   sys.exit(pytest.main([__file__, '-q']))

@@ -308,8 +308,11 @@ def private_copy(tensor: torch.Tensor) -> torch.Tensor:
   another argument) goes through the host, which compiles nothing: XLA
   compiles a clone per shape, more programs than the calls compile without
   donation. Under SPMD the copy stays on the device, sharded as the tensor
-  is."""
-  if not _was_read(data_id_of(tensor)) and not xr.is_spmd():
+  is, and so does a 0-dim tensor."""
+  # A 0-dim tensor sent from the host is a scalar torch_xla transfers
+  # asynchronously, which a run then refuses as in flight.
+  if (not _was_read(data_id_of(tensor)) and not xr.is_spmd() and
+      tensor.dim() > 0):
     copy = tensor.cpu().to(tensor.device)
   else:
     copy = torch.clone(tensor)
@@ -322,6 +325,11 @@ def prepare_donating_run(entry: 'CompiledGraphEntry',
   """The arguments to run a donating entry with (see [Note: Donating
   in-place updates]): a donated argument whose buffer something else may
   hold is replaced by a private copy."""
+  # The program's aliasing was fixed when it compiled. A donor mark left on
+  # an argument's data would let a sync hand its buffer to another
+  # computation, or this run donate it twice.
+  for position in entry.donated_positions:
+    clear_donor_mark(args[position])
   data_ids = {
       position: data_id_of(args[position]) for position in entry.input_positions
   }
