@@ -21,14 +21,18 @@ CACHE = 32
 LAYERS = 2
 
 
+def llama_config():
+  return transformers.LlamaConfig(vocab_size=64,
+                                  hidden_size=32,
+                                  intermediate_size=64,
+                                  num_hidden_layers=LAYERS,
+                                  num_attention_heads=4,
+                                  num_key_value_heads=2,
+                                  max_position_embeddings=64)
+
+
 def decode_module(device):
-  config = transformers.LlamaConfig(vocab_size=64,
-                                    hidden_size=32,
-                                    intermediate_size=64,
-                                    num_hidden_layers=LAYERS,
-                                    num_attention_heads=4,
-                                    num_key_value_heads=2,
-                                    max_position_embeddings=64)
+  config = llama_config()
   torch.manual_seed(0)
   model = transformers.LlamaForCausalLM(config).eval()
   model.generation_config.cache_implementation = 'static'
@@ -74,13 +78,7 @@ def test_generate_with_a_static_cache_on_a_compiled_forward(patched_bridge):
   torch.compile (as transformers' docs show): eager's tokens. Its caches'
   scalars (a 0-dim tensor copied for a run) once made the run refuse a
   transfer in flight."""
-  config = transformers.LlamaConfig(vocab_size=64,
-                                    hidden_size=32,
-                                    intermediate_size=64,
-                                    num_hidden_layers=LAYERS,
-                                    num_attention_heads=4,
-                                    num_key_value_heads=2,
-                                    max_position_embeddings=64)
+  config = llama_config()
   torch.manual_seed(0)
   cpu = transformers.LlamaForCausalLM(config).eval()
   ids = torch.tensor([PROMPT])
