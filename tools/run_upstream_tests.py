@@ -162,6 +162,12 @@ def run_file(xla_src: str, test_file: str, column: Column, hook_dir: str,
              log_dir: str) -> Outcome:
   test_dir = os.path.join(xla_src, 'test')
   base = dict(os.environ)
+  # torch's test harness reads CI (any non-empty value) as "running in
+  # pytorch's CI" and then writes XML reports through xmlrunner, which is no
+  # dependency here: test_bridge.py (the file that calls torch's run_tests)
+  # would exit at start in every column. The stored upstream column was run
+  # without it; the columns compare the bridge, not the harness.
+  base.pop('CI', None)
   base.setdefault('PJRT_DEVICE', 'CPU')
   base['PYTHONPATH'] = os.pathsep.join(
       [os.path.join(xla_src, 'examples'), test_dir] +
@@ -388,12 +394,13 @@ def main(argv=None) -> int:
     baseline = load_upstream_results(args.upstream_results)
     print(f'upstream column: stored in {args.upstream_results}')
   regressions = []
+  regressed = []
   for column in (c for c in columns if c.title != 'upstream'):
     for test_file in files:
       if baseline is None or test_file not in baseline:
         continue
-      found = regressions_of(baseline[test_file],
-                             results[column.title][test_file], column.title,
+      outcome = results[column.title][test_file]
+      found = regressions_of(baseline[test_file], outcome, column.title,
                              test_file)
       for attempt in range(args.retries):
         if not found:
@@ -408,8 +415,12 @@ def main(argv=None) -> int:
         found = regressions_of(baseline[test_file], outcome, column.title,
                                test_file)
       regressions.extend(found)
+      if found:
+        regressed.append((column.title, test_file, outcome))
   for regression in regressions:
     print(f'regression: {regression}')
+  for title, test_file, outcome in regressed:
+    print_log_tail(outcome, f'{test_file} "{title}"')
   if baseline is not None:
     print(f'regressions against upstream: {len(regressions)}')
   return 1 if regressions and args.strict else 0
@@ -423,6 +434,18 @@ BY_DESIGN = {
         'DynamoDynamicShapeBasicTest.test_dynamic_shape_mix_with_non_dynamic'
     },
 }
+
+
+def print_log_tail(outcome: Outcome, title: str, lines: int = 15) -> None:
+  """The end of a failing file's log, so that a CI log alone says why."""
+  try:
+    with open(outcome.log, encoding='utf-8', errors='replace') as f:
+      tail = f.read().splitlines()[-lines:]
+  except OSError:
+    return
+  print(f'--- {title}: last {len(tail)} lines of {outcome.log}')
+  for line in tail:
+    print(f'    {line}')
 
 
 def regressions_of(before: Outcome, after: Outcome, column: str,
