@@ -7,6 +7,10 @@ os.environ.setdefault('PJRT_DEVICE', 'CPU')
 # A replay failure that no check of a record explains raises in the suite
 # (config.strict_replay), here and in the processes tests start.
 os.environ.setdefault('XLA_PATCHES_STRICT_REPLAY', '1')
+# serve() returns once its buckets are compiled (config.serve_wait), here and
+# in the processes tests start, so that tests read the counters of a finished
+# warm-up; the tests of serving in the background pass wait=False.
+os.environ.setdefault('XLA_PATCHES_SERVE_WAIT', '1')
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest

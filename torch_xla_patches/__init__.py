@@ -145,6 +145,15 @@ def apply(*,
       _decompositions_installed = True
     if versions.has_torch_aot_compile():
       serialization.register_backend()
+    # Last, so revert() first stops the background compiles (see [Note: The
+    # compile pool]) before it takes the bridge away.
+    _registry.on_revert(_stop_background_compiles)
+
+
+def _stop_background_compiles() -> None:
+  from torch_xla_patches import compile_window, warmup
+  warmup.stop_background_warm_ups()
+  compile_window.stop_background_compiles()
 
 
 def _install_log_handler() -> None:
@@ -170,7 +179,11 @@ def precompile(compiled_fn, specs, progress: bool = True):
   return warmup.precompile(compiled_fn, specs, progress=progress)
 
 
-def serve(model, signatures, *, cache_dir: Optional[str] = None):
+def serve(model,
+          signatures,
+          *,
+          cache_dir: Optional[str] = None,
+          wait: Optional[bool] = None):
   """Compiles `model` for its serving buckets and returns a callable that
   serves it; see [Note: Serving restarts] in serving.py.
 
@@ -181,11 +194,14 @@ def serve(model, signatures, *, cache_dir: Optional[str] = None):
       and keyword arguments: TensorSpecs, scalars, strings and None, nested
       in lists, tuples and dicts), or of tuples of TensorSpec for positional
       tensors; every bucket of one structure, dtype and rank per tensor and
-      constant values. serve() returns once every bucket is compiled; other
-      shapes are compiled when a call needs them.
+      constant values. Other shapes are compiled when a call needs them.
     cache_dir: where the artifact (and, unless apply() was given another
       directory, the signature index) is kept across restarts; default
       XLA_PATCHES_CACHE_DIR. None: nothing is kept.
+    wait: False: return once the model is captured or loaded, with the
+      buckets compiling in the background (see [Note: Ready at once] in
+      serving.py; served.readiness(), served.wait_ready()); True: return
+      once every bucket is compiled. Default XLA_PATCHES_SERVE_WAIT (off).
   Returns:
     A fast_dispatch.ServedModel: served(*args, **kwargs) returns what
     model(*args, **kwargs) returns.
@@ -202,7 +218,7 @@ def serve(model, signatures, *, cache_dir: Optional[str] = None):
         _registry.set(owner, name, replacement)
       _registry.on_revert(fast_dispatch.module_watch.install_hooks())
   from torch_xla_patches import serving
-  return serving.serve(model, signatures, cache_dir=cache_dir)
+  return serving.serve(model, signatures, cache_dir=cache_dir, wait=wait)
 
 
 def save(compiled, path, example_inputs=None):

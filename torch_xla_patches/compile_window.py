@@ -1,26 +1,22 @@
-"""Compiles: every compile of the bridge (compile_graph), compiles on worker
-threads while the calling thread traces (CompileWindow), and precompile()'s
-calls stopped at their new signatures to compile them so (PrecompileCalls).
+"""Compiles: every compile of the bridge (compile_graph), the process's
+pool of compile workers (compile_pool), and compiles on worker threads while
+the calling thread traces recorded signatures (CompileWindow).
 """
+import atexit
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import threading
-import time
-from typing import (Any, Callable, Deque, Hashable, Iterator, List, Optional,
-                    Sequence, Tuple)
+from typing import (Any, Callable, Deque, Iterator, List, Optional, Sequence,
+                    Tuple)
 
 import torch
 import torch_xla
-import torch_xla.debug.metrics as metrics
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
-from torch_xla_patches.counters import (COUNTER_HIT, COUNTER_MISS,
-                                        increment_counter)
+from torch_xla_patches import config
 from torch_xla_patches.donation import (count_epilogue_updates, sets_own_donors,
                                         sync_alone_noting_reads)
-from torch_xla_patches import execution
 from torch_xla_patches.signature import ArgLayout
 from torch_xla_patches.tracing import (ArgumentsRestore, CompiledGraphEntry,
                                        trace_donating, trace_graph)
@@ -33,7 +29,11 @@ def compile_graph(graph_tensors: List[torch.Tensor]) -> None:
   torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
 
 
-def _compile_on_worker(graph_tensors: List[torch.Tensor]) -> None:
+def compile_traced(graph_tensors: List[torch.Tensor]) -> None:
+  """Compiles the outputs `graph_tensors` of a trace that left its arguments
+  as they were, on any thread, holding no lock (see [Note: Compiles outside
+  the lock] in signature_cache.py). The list is emptied, so the pending IR
+  of the graph goes with the compile, whether or not it raises."""
   try:
     with alias_with_buffer_donor_config():
       compile_graph(graph_tensors)
@@ -64,7 +64,7 @@ class CompileWindow:
       compiles on the calling thread and restores the arguments as the
       serial path does; otherwise its lazy clones and intermediate tensors
       die with their references, and the graph's outputs once their compile
-      is done (`_compile_on_worker` drops them even when the compile raises);
+      is done (`compile_traced` drops them even when the compile raises);
     - hands the worker only the graph outputs that have pending IR: an output
       that is device data (an unchanged argument) would be written to by the
       worker's sync (its data's info) while the main thread reads it.
@@ -124,7 +124,7 @@ class CompileWindow:
         computed = torch_xla._XLAC._check_tensor_need_materialization(
             traced.graph_tensors)
         future = self._pool.submit(
-            _compile_on_worker,
+            compile_traced,
             [t for t, flag in zip(traced.graph_tensors, computed) if flag])
         self._in_flight.append(future)
         return traced.entry, future
@@ -155,165 +155,117 @@ class CompileWindow:
       self._pool.shutdown(wait=True)
 
 
-class _ClaimedMiss(Exception):
-  """Stops a precompile() call at its first new signature; see [Note:
-  Parallel precompile]."""
+class CompilePool:
+  """Daemon threads that run compiles handed to them, first in first out,
+  or at the front when asked.
 
-
-@dataclasses.dataclass(frozen=True)
-class _Claim:
-  """A signature a precompile() call stopped at, to compile."""
-  cache: 'SignatureCache'
-  key: Hashable
-  args: List[Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class ClaimsCompiled:
-  """What PrecompileCalls.compile() did."""
-  # The first `ready` claims, in order, are compiled.
-  ready: int
-  # Why the next claim is not (None: all are ready).
-  error: Optional[BaseException]
-  # Wall seconds each ready claim took from its trace to the end of its
-  # compile (compiles overlap).
-  compile_seconds: Tuple[float, ...]
-  # Whether each ready claim had a program to compile.
-  compiled: Tuple[bool, ...]
-
-
-# The PrecompileCalls collecting on some thread, or None; read on misses only.
-_precompile_calls: Optional['PrecompileCalls'] = None
-
-
-class PrecompileCalls:
-  """The calls of one precompile() with compile workers.
-
-  [Note: Parallel precompile]
-  precompile() (and serve(), through it) runs its calls through dynamo in two
-  passes. In the first, each call runs under `call()`: a miss in the call's
-  first graph call (no graph of that call has run, so neither the graph nor
-  what follows it has changed anything) claims the signature in its
-  SignatureCache and stops the call with _ClaimedMiss, uncounted; a miss
-  after a graph of the call ran is served as usual. `compile()` then traces
-  the claims here and compiles them on the workers (a CompileWindow, see
-  [Note: Parallel compiles]); each compiled entry waits in its cache. In the
-  second pass precompile() makes the stopped calls again, in order: each
-  misses, is counted, takes its compiled entry and runs. So the programs, the
-  counters, the index records and what the calls do to their arguments (the
-  program runs once per call, whole, AOTAutograd's epilogue included) are
-  the serial precompile's; only the RNG stream differs (the mark steps come
-  in another order). Returning lazy outputs instead of stopping the call
-  would let AOTAutograd copy them into mutated inputs, which a later sync
-  would execute as another program. A claimed signature is compiled already
-  as far as the graph's backlog is concerned. When a compile raises, the
-  calls before its own run, then precompile() raises it, as the serial
-  precompile would at that call; calls after it that needed no new
-  signature did run in the first pass.
+  [Note: The compile pool]
+  Background compiles (serve()'s buckets, precompile()'s signatures, see
+  [Note: Compile-only calls] in execution.py) run here, config.compile_workers
+  of them at once (at least one). The workers are daemon threads, and what
+  is still queued when the interpreter exits or revert() runs is cancelled
+  (its future says so), so neither waits for compiles nobody will call; a
+  compile already running is waited for by revert(), not at exit.
   """
 
-  def __init__(self, workers: int):
-    self.workers = workers
-    self._claims: List[_Claim] = []
-    self._thread = threading.get_ident()
-    self._hits_at_call = 0
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._queue: Deque[Tuple[concurrent.futures.Future, Callable[[], Any]]] = (
+        collections.deque())
+    self._wakeup = threading.Condition(self._lock)
+    self._threads: List[threading.Thread] = []
+    self._running = 0
 
-  def call(self, fn: Callable[..., Any], args: Sequence[Any]) -> Optional[int]:
-    """Calls fn(*args); None if it ran, else the number of the claim it
-    stopped at (an earlier one when another call claimed that signature)."""
-    global _precompile_calls
-    self._hits_at_call = metrics.counter_value(COUNTER_HIT) or 0
-    _precompile_calls = self
-    try:
-      fn(*args)
-      return None
-    except _ClaimedMiss as claimed:
-      return claimed.args[0]
-    finally:
-      _precompile_calls = None
+  def submit(self,
+             job: Callable[[], Any],
+             first: bool = False) -> concurrent.futures.Future:
+    """Queues `job` (at the front with `first`); returns its future."""
+    future = concurrent.futures.Future()
+    with self._lock:
+      if first:
+        self._queue.appendleft((future, job))
+      else:
+        self._queue.append((future, job))
+      self._start_workers()
+      self._wakeup.notify()
+    return future
 
-  def claim(self, cache: 'SignatureCache', key: Hashable,
-            args: Sequence[Any]) -> None:
-    """On a miss: stops the call if its signature can wait (see the Note)."""
-    if (threading.get_ident() != self._thread or
-        (metrics.counter_value(COUNTER_HIT) or 0) != self._hits_at_call):
-      return
-    for number, claim in enumerate(self._claims):
-      if claim.cache is cache and claim.key == key:
-        raise _ClaimedMiss(number)
-    cache.precompiled[key] = None
-    self._claims.append(_Claim(cache=cache, key=key, args=list(args)))
-    raise _ClaimedMiss(len(self._claims) - 1)
+  def promote(self, future: concurrent.futures.Future) -> None:
+    """Moves the job of `future` to the front, if it is still queued."""
+    with self._lock:
+      for index, (queued, job) in enumerate(self._queue):
+        if queued is future:
+          del self._queue[index]
+          self._queue.appendleft((queued, job))
+          return
 
-  def compile(self) -> ClaimsCompiled:
-    """Traces every claim here and compiles it on the workers, in order,
-    stopping at the first that raises."""
-    with execution.execution_lock:
-      return self._compile()
+  def _start_workers(self) -> None:
+    self._threads = [t for t in self._threads if t.is_alive()]
+    while len(self._threads) < max(1, config.compile_workers):
+      thread = threading.Thread(target=self._work,
+                                name=f'xla-compile-{len(self._threads)}',
+                                daemon=True)
+      thread.start()
+      self._threads.append(thread)
 
-  def _compile(self) -> ClaimsCompiled:
-    window = CompileWindow(self.workers)
-    in_flight: Deque[Tuple[_Claim, Any]] = collections.deque()
-    seconds: List[float] = []
-    compiled: List[bool] = []
-    error = None
-
-    def finish() -> None:
-      nonlocal error
-      claim, started = in_flight.popleft()
-      if error is not None:
-        return
+  def _work(self) -> None:
+    while True:
+      with self._lock:
+        while not self._queue:
+          self._wakeup.wait()
+        future, job = self._queue.popleft()
+        if not future.set_running_or_notify_cancel():
+          continue
+        self._running += 1
       try:
-        if isinstance(started, BaseException):
-          raise started
-        entry, future, begin = started
-        if future is not None:
-          future.result()
-        seconds.append(time.perf_counter() - begin)
-        compiled.append(future is not None)
-        if claim.key in claim.cache.precompiled:
-          claim.cache.precompiled[claim.key] = entry
-      except Exception as e:  # pylint: disable=broad-except
-        error = e
+        result = job()
+      except BaseException as error:  # pylint: disable=broad-except
+        future.set_exception(error)
+      else:
+        future.set_result(result)
+      finally:
+        with self._lock:
+          self._running -= 1
+          self._wakeup.notify_all()
 
-    with window.opened():
-      for claim in self._claims:
-        if error is not None:
-          break
-        if (claim.key in claim.cache.entries or
-            claim.key not in claim.cache.precompiled):
-          # Served meanwhile by a call whose graph had run (see the Note).
-          in_flight.append((claim, (None, None, time.perf_counter())))
-        else:
-          try:
-            begin = time.perf_counter()
-            entry, future = window.trace(claim.cache.xla_model, claim.args,
-                                         claim.cache.layout)
-            in_flight.append((claim, (entry, future, begin)))
-          except Exception as e:  # pylint: disable=broad-except
-            in_flight.append((claim, e))
-            break
-        while len(in_flight) > self.workers + 1:
-          finish()
-      while in_flight:
-        finish()
-    ready = len(seconds)
-    if error is not None:
-      # The serial call of the failing claim counted its miss, then raised.
-      increment_counter(COUNTER_MISS, 1)
-    for claim in self._claims[ready:]:
-      # Serially these calls never came: nothing of theirs is kept.
-      claim.cache.precompiled.pop(claim.key, None)
-    self._claims = []
-    return ClaimsCompiled(ready=ready,
-                          error=error,
-                          compile_seconds=tuple(seconds),
-                          compiled=tuple(compiled))
+  def cancel_queued(self) -> int:
+    """Cancels every job not started yet; returns how many."""
+    with self._lock:
+      queued = list(self._queue)
+      self._queue.clear()
+    for future, _ in queued:
+      future.cancel()
+    return len(queued)
+
+  def wait_running(self, timeout: Optional[float] = None) -> bool:
+    """Waits until no job runs and none is queued; False on timeout."""
+    with self._lock:
+      return self._wakeup.wait_for(
+          lambda: not self._running and not self._queue, timeout)
 
 
-def claim_if_precompiling(cache: 'SignatureCache', key: Hashable,
-                          args: Sequence[Any]) -> None:
-  """On a miss: stops the call if a precompile() collects its calls and the
-  signature can wait (see [Note: Parallel precompile])."""
-  if _precompile_calls is not None:
-    _precompile_calls.claim(cache, key, args)
+_pool: Optional[CompilePool] = None
+_pool_lock = threading.Lock()
+
+
+def compile_pool() -> CompilePool:
+  """The process's compile pool (see [Note: The compile pool])."""
+  global _pool
+  with _pool_lock:
+    if _pool is None:
+      _pool = CompilePool()
+    return _pool
+
+
+def stop_background_compiles() -> None:
+  """Cancels the queued compiles and waits for the running ones (revert())."""
+  pool = _pool
+  if pool is not None:
+    pool.cancel_queued()
+    pool.wait_running()
+
+
+@atexit.register
+def _cancel_at_exit() -> None:
+  if _pool is not None:
+    _pool.cancel_queued()

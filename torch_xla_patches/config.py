@@ -301,6 +301,16 @@ compile_workers = _flag('compile_workers',
                         COUNT,
                         changes_program=False)
 
+# Whether serve() returns only once every bucket is compiled. Off (the
+# default), it returns once the model is captured or loaded, and the buckets
+# compile in the background (see [Note: Ready at once] in serving.py): a
+# server answers health probes and compiled buckets at once.
+serve_wait = _flag('serve_wait',
+                   'XLA_PATCHES_SERVE_WAIT',
+                   False,
+                   BOOL,
+                   changes_program=False)
+
 # The fast path of a served call (fast_dispatch.py) checks what can change
 # cheaply and skips dynamo's guards. With this set, each fast call also runs
 # dynamo's guards, and a call they refuse is counted (ServeVerifyMismatch),

@@ -55,8 +55,12 @@ ptxla_debug = int(os.environ.get('PT_XLA_DEBUG', '0')) == 1
 
 
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                         layout: ArgLayout) -> CompiledGraphEntry:
-  """Lazily traces `xla_model` on `args`, compiles it, returns its entry."""
+                         layout: ArgLayout) -> tracing.TracedGraph:
+  """Lazily traces `xla_model` on `args` and leaves the arguments as they
+  were. A program that updates its arguments in place is compiled here,
+  since its graph is their pending IR, which the restore drops; any other
+  is returned with its tensors to compile (see [Note: Compiles outside the
+  lock] in signature_cache.py)."""
   tensors = [args[i] for i in layout.tensor_positions]
   # The arguments enter the graph as device data (see [Note: Threads] in
   # execution.py: not a sync of every live tensor, which races with other
@@ -68,13 +72,14 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   with pending_ir_restored(
       tensors, clear_donor_marks=not sets_own_donors(xla_model)) as restore:
     count_epilogue_updates(xla_model)
-    traced = tracing.trace_donating(
-        xla_model, args, layout, restore,
-        tracing.trace_graph(xla_model, args, layout))
+    traced = tracing.trace_graph(xla_model, args, layout)
+    if not traced.entry.output_plan.inplace_updates:
+      return tracing.outputs_to_compile(traced)
+    traced = tracing.trace_donating(xla_model, args, layout, restore, traced)
     if traced.graph_tensors:
       with alias_with_buffer_donor_config():
         compile_window.compile_graph(traced.graph_tensors)
-  return traced.entry
+  return tracing.TracedGraph(entry=traced.entry, graph_tensors=[])
 
 
 def extract_internal(xla_model: torch.fx.GraphModule):
@@ -84,7 +89,13 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   cache = SignatureCache(xla_model, layout, extract_graph_helper)
   if dynamo_debug:
     print(f'[torch_xla_patches] graph {cache.graph_id} layout: {layout.kinds}')
-  cache.on_miss(cache.key_of(first_args), first_args)
+  # The first signature compiles holding the lock its caller holds (dynamo's
+  # first call of the graph, which other threads must not make again).
+  first_key = cache.key_of(first_args)
+  if execution.compiling_only():
+    cache.compile_only(first_key, first_args)
+  else:
+    cache.on_miss(first_key, first_args, release_lock=False)
   cache.queue_index_records(first_args)
   del xla_model.xla_args
 
@@ -137,9 +148,12 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   def optimized_mod(*args):
     with execution.execution_lock:
       key = key_of(args)
+      if execution.compiling_only():
+        # See [Note: Compile-only calls] in execution.py.
+        cache.compile_only(key, args)
+        raise execution.CompiledNotRun(key)
       entry = cache.look_up(key)
       if entry is None:
-        compile_window.claim_if_precompiling(cache, key, args)
         entry = cache.on_miss(key, args)
       try:
         results = run(entry, args, checked_tensors(args))

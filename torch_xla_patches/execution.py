@@ -5,9 +5,10 @@ its refusals, and the syncs of a run's inputs.
 `_run_cached_graph`'s refusals before running (an input with pending IR, an
 evicted program), told apart by their message text, into RefusedBeforeRun.
 """
+import contextlib
 import functools
 import threading
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Iterator, List, Sequence
 
 import torch
 import torch_xla
@@ -39,6 +40,68 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # torch.compile graph still syncs the device's pending IR when an argument
 # it takes over was read (see [Note: Donating in-place updates] in donation.py).
 execution_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def execution_lock_released() -> Iterator[None]:
+  """Lets execution_lock go for the block, however many times this thread
+  holds it, and takes it back as often after (see [Note: Compiles outside
+  the lock] in signature_cache.py). The caller must hold it."""
+  # threading.Condition releases and restores a reentrant lock the same way.
+  saved = execution_lock._release_save()
+  try:
+    yield
+  finally:
+    execution_lock._acquire_restore(saved)
+
+
+# [Note: Compile-only calls]
+# A warm-up (precompile(), serve()'s buckets) compiles without running: its
+# calls of a compiled function are made under compile_only(), and the
+# bridge, at the first graph call of such a call, compiles that graph's
+# signature (if it is new) and raises CompiledNotRun instead of running the
+# program. Nothing of the call has run by then: dynamo's code runs its
+# graph first and its side effects after, AOTAutograd's epilogue follows the
+# graph, and the trace leaves the arguments as they were (ArgumentsRestore
+# in tracing.py). So a warm-up leaves every parameter, buffer, argument and
+# attribute of the model as it was, donates nothing and deletes nothing. A
+# graph after a graph break, whose arguments only the run of the graph
+# before it would make, compiles at the first real call that reaches it.
+# The state is per thread: other threads' calls run as usual meanwhile.
+_compile_only = threading.local()
+
+
+class CompiledNotRun(Exception):
+  """Stops a call made under compile_only() at its first graph call, its
+  signature compiled or compiling; nothing of the call ran (see [Note:
+  Compile-only calls])."""
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[List[Any]]:
+  """Within the block, this thread's calls of compiled graphs compile and
+  stop (see [Note: Compile-only calls]); yields the list of the futures of
+  the compiles those calls started or found in flight, in order."""
+  before = getattr(_compile_only, 'compiles', None)
+  compiles: List[Any] = []
+  _compile_only.compiles = compiles
+  try:
+    yield compiles
+  finally:
+    _compile_only.compiles = before
+
+
+def compiling_only() -> bool:
+  """Whether this thread's calls of compiled graphs compile and stop."""
+  return getattr(_compile_only, 'compiles', None) is not None
+
+
+def note_compile(future: Any) -> None:
+  """Tells this thread's compile_only() block of a compile its call started
+  or found in flight."""
+  compiles = getattr(_compile_only, 'compiles', None)
+  if compiles is not None and not any(f is future for f in compiles):
+    compiles.append(future)
 
 
 def holding_execution_lock(compiled: Callable[..., Any]) -> Callable[..., Any]:

@@ -180,6 +180,19 @@ class ServedModel:
     # Every call of a captured model (None for a torch.compile'd one).
     self.calls = (ServedCalls(compiled, model) if isinstance(
         compiled, serialization.CompiledModel) else None)
+    # The compile of the buckets, once serve() starts it (see [Note: Ready
+    # at once] in serving.py).
+    self.warm_up: Optional[Any] = None
+
+  def readiness(self) -> Any:
+    """How many buckets are compiled, of how many, and which failed (a
+    warmup.Readiness); for a health probe."""
+    return self.warm_up.readiness()
+
+  def wait_ready(self, timeout: Optional[float] = None) -> bool:
+    """Waits until every bucket is compiled (or failed), at most `timeout`
+    seconds; returns whether every bucket is compiled."""
+    return self.warm_up.wait(timeout)
 
   def __call__(self, *args, **kwargs):
     if self.calls is not None:

@@ -25,15 +25,30 @@ the old file or the new one, never a part. Two configurations of one model
 keep one artifact each. Nothing in the directory can fail a call: a file
 that does not load is a reason to trace, and a failed write is a warning.
 
+[Note: Ready at once]
+serve() returns once the model is captured (or its artifact loaded): the
+buckets compile on a daemon thread (warmup.BackgroundWarmUp), each traced
+there without running (see [Note: Compile-only calls] in execution.py) and
+compiled on the compile pool, in the order given, and the artifact is
+written when they are done. Meanwhile a call of a compiled bucket runs at
+once; a call of a bucket still queued moves its compile to the front of the
+pool and waits for that one compile, and a call of one compiling waits for
+it (never a second compile, see [Note: Compiles outside the lock] in
+signature_cache.py); other shapes compile on the calling thread, without
+the lock. ServedModel.readiness() and wait_ready() tell a health probe how
+far it is. With wait=True (or XLA_PATCHES_SERVE_WAIT=1) serve() returns
+when every bucket is compiled, as a batch job would want.
+
 Where aot_compile cannot capture the model at all, serve() serves it through
 torch.compile instead, saying why in one log line, as on torch 2.8, which has
 no aot_compile: serve() compiles through torch.compile and the signature
 index, and every restart traces dynamo again (said once in the log).
 """
+import functools
 import glob
 import logging
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -161,14 +176,17 @@ def _why_not_found(path: str, key: ServeKey) -> str:
   return f'no artifact of this key; the closest, {closest[1]}'
 
 
-def _compile_buckets(
-    served: ServedModel,
-    buckets: Sequence[CallSpec],
-    tensor_pool: Optional[Dict[Any, torch.Tensor]] = None) -> None:
-  warmup.precompile(served,
-                    buckets,
-                    progress=config.precompile_progress,
-                    tensor_pool=tensor_pool)
+def _compile_buckets(served: ServedModel,
+                     buckets: Sequence[CallSpec],
+                     tensor_pool: Optional[Dict[Any, torch.Tensor]],
+                     wait: bool,
+                     then: Optional[Callable[[], None]] = None) -> None:
+  """Compiles the buckets without running them (see [Note: Ready at
+  once]): in the background, or, with `wait`, before returning; `then`
+  runs once they are done."""
+  served.warm_up = warmup.BackgroundWarmUp(served, buckets, tensor_pool, then)
+  if wait:
+    served.warm_up.wait()
 
 
 def _save(compiled: Any, path: str, key: ServeKey) -> None:
@@ -243,16 +261,18 @@ def _load(path: Optional[str], model: torch.nn.Module, key: ServeKey,
 def serve(model: torch.nn.Module,
           signatures: Iterable[Any],
           *,
-          cache_dir: Optional[str] = None) -> ServedModel:
+          cache_dir: Optional[str] = None,
+          wait: Optional[bool] = None) -> ServedModel:
   """See torch_xla_patches.serve. One pass: the key, then the artifact
-  loaded or the model captured, then the served object with its buckets
-  compiled, then a captured model saved."""
+  loaded or the model captured, then the served object, its buckets
+  compiling, then a captured model saved once they are compiled."""
   _check_model(model)
   buckets = _buckets(signatures)
   cache_dir = os.fspath(cache_dir) if cache_dir else config.cache_dir
+  wait = config.serve_wait if wait is None else wait
   if not versions.has_torch_aot_compile():
     _say_no_aot_compile()
-    return _serve_with_torch_compile(model, buckets)
+    return _serve_with_torch_compile(model, buckets, wait)
   key = serve_key(model, buckets)
   path = artifact_path(cache_dir, key) if cache_dir else None
   loaded = _load(path, model, key, buckets)
@@ -266,16 +286,16 @@ def serve(model: torch.nn.Module,
     tensor_pool = {}
     compiled = _capture(model, key, buckets, tensor_pool)
     if compiled is None:
-      return _serve_with_torch_compile(model, buckets)
+      return _serve_with_torch_compile(model, buckets, wait)
   served = ServedModel(compiled,
                        model,
                        path,
                        loaded=loaded.compiled is not None)
-  _compile_buckets(served, buckets, tensor_pool)
-  del tensor_pool
+  save = None
   if path is not None and not served.loaded:
     # After the buckets: the artifact keeps the signatures they compiled.
-    _save(compiled, path, key)
+    save = functools.partial(_save, compiled, path, key)
+  _compile_buckets(served, buckets, tensor_pool, wait, save)
   return served
 
 
@@ -290,8 +310,9 @@ def _say_no_aot_compile() -> None:
 
 
 def _serve_with_torch_compile(model: torch.nn.Module,
-                              buckets: Sequence[CallSpec]) -> ServedModel:
+                              buckets: Sequence[CallSpec],
+                              wait: bool) -> ServedModel:
   compiled = torch.compile(model, backend='openxla', dynamic=True)
   served = ServedModel(compiled, model, None, loaded=False)
-  _compile_buckets(served, buckets)
+  _compile_buckets(served, buckets, None, wait)
   return served

@@ -118,6 +118,17 @@ class ShapeSignature:
   # (position, sharding spec) of each tensor input under SPMD, else ().
   shardings: Tuple[Tuple[int, str], ...]
 
+  def describe(self) -> str:
+    """The signature in one line: the sizes of each tensor with symbolic
+    sizes, then each int and scalar input, by graph input position."""
+    parts = [
+        f'input {pos}: [{", ".join(str(s) for s in sizes)}]'
+        for pos, sizes in self.tensor_shapes
+    ]
+    parts.extend(f'input {pos}: {value!r}'
+                 for pos, value in self.shape_values + self.scalar_values)
+    return 'signature (' + '; '.join(parts) + ')'
+
   def differences(self, other: 'ShapeSignature') -> List[str]:
     """The parts in which `other` (before) and self (after) differ."""
     parts = []

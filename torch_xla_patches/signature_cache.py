@@ -2,7 +2,9 @@
 the signature index, and the backlog of recorded signatures.
 """
 import collections
+import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -13,16 +15,35 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 import torch
 
 from torch_xla_patches import config, fingerprint, record, signature_index
-from torch_xla_patches.backlog import Backlog, StartFunction
+from torch_xla_patches.backlog import Backlog, StartFunction, compile_stats
 from torch_xla_patches.bound_program import BoundArgument, BoundProgram
+from torch_xla_patches import compile_window
 from torch_xla_patches.compile_window import CompileWindow
 from torch_xla_patches.counters import (COUNTER_DROPPED, COUNTER_HIT,
                                         COUNTER_MISS, increment_counter)
 from torch_xla_patches import execution
 from torch_xla_patches.signature import ArgLayout, ShapeSignature
-from torch_xla_patches.tracing import CompiledGraphEntry
+from torch_xla_patches.tracing import CompiledGraphEntry, TracedGraph
 
 logger = logging.getLogger('torch_xla_patches.bridge')
+
+
+@dataclasses.dataclass(frozen=True)
+class SignatureCompiled:
+  """What a compile on the compile pool gives (see [Note: Compiles outside
+  the lock])."""
+  entry: CompiledGraphEntry
+  # Seconds the compile took on its worker.
+  seconds: float
+  # 1 if XLA compiled a program (0: its cache had it, or none was needed);
+  # with several workers, a compile elsewhere at the same time can count.
+  xla_compiles: int
+
+
+class CompileFailed(RuntimeError):
+  """The compile of a signature that a call waited for raised; the message
+  names the graph and the signature (see [Note: Compiles outside the
+  lock])."""
 
 _graph_ids = itertools.count()
 _live_caches: 'weakref.WeakSet[SignatureCache]' = weakref.WeakSet()
@@ -50,13 +71,32 @@ class SignatureCache:
   Args:
     xla_model: the graph.
     layout: what each of its arguments is.
-    trace: traces and compiles one signature: (xla_model, args, layout) ->
-      its entry (the bridge's extract_graph_helper).
+    trace: traces one signature: (xla_model, args, layout) -> the traced
+      graph, compiled unless it has tensors left to compile (the bridge's
+      extract_graph_helper).
+
+  [Note: Compiles outside the lock]
+  A new signature is traced under execution_lock, and the trace leaves the
+  arguments as they were. Where the program updates no argument in place,
+  what is left to compile is the trace's own outputs, which hold no IR of a
+  tensor anyone else can reach; the XLA compile of them (the long part) then
+  runs without the lock, on the calling thread (a call that needs the
+  program) or on the compile pool (a compile-only call, see [Note:
+  Compile-only calls] in execution.py), and calls of programs compiled
+  already go on meanwhile. While it compiles, its future is in `compiling`:
+  a call of the same signature, from any thread, waits for it without the
+  lock, so a signature compiles once however many threads ask, and a
+  compile that raises gives its error to the calls that waited for it
+  (CompileFailed) and to no other. A program that updates its arguments
+  compiles under the lock, in its trace: its graph is their pending IR. So
+  do the first signature of a graph (dynamo's first call, which holds the
+  lock of the graph's compile) and recorded signatures replayed from the
+  backlog (see backlog.py), whose drains hold the lock.
   """
 
   def __init__(self, xla_model: torch.fx.GraphModule, layout: ArgLayout,
                trace: Callable[[torch.fx.GraphModule, Sequence[Any], ArgLayout],
-                               CompiledGraphEntry]):
+                               TracedGraph]):
     self.graph_id = next(_graph_ids)
     self._trace = trace
     self.xla_model = xla_model
@@ -65,10 +105,9 @@ class SignatureCache:
     self.entries: 'collections.OrderedDict[Hashable, CompiledGraphEntry]' = (
         collections.OrderedDict())
     self._warned_cap = False
-    # Signatures a precompile() claimed (see [Note: Parallel precompile] in
-    # compile_window.py): None until compiled, then the entry, moved to
-    # `entries` by the miss of the call that asks for it.
-    self.precompiled: Dict[Hashable, Optional[CompiledGraphEntry]] = {}
+    # Signatures compiling without the lock (see [Note: Compiles outside the
+    # lock]), until their entry is added or their compile raised.
+    self.compiling: Dict[Hashable, concurrent.futures.Future] = {}
     self.backlog = Backlog(self.graph_id, layout, self._compile_recorded,
                            self._compile_window)
     self.usage: Optional[signature_index.UsageLog] = None
@@ -104,9 +143,12 @@ class SignatureCache:
       self.backlog.after_served_call()
 
   def trace(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
-    entry = self._trace(self.xla_model, args, self.layout)
-    self._add_entry(key, entry)
-    return entry
+    """Traces and compiles the signature of `args` holding the lock."""
+    traced = self._trace(self.xla_model, args, self.layout)
+    if traced.graph_tensors:
+      compile_window.compile_traced(list(traced.graph_tensors))
+    self._add_entry(key, traced.entry)
+    return traced.entry
 
   def _add_entry(self, key: Hashable, entry: CompiledGraphEntry) -> None:
     self.entries[key] = entry
@@ -126,39 +168,137 @@ class SignatureCache:
   def _trace_and_record(self, key: Hashable,
                         args: Sequence[Any]) -> CompiledGraphEntry:
     entry = self.trace(key, args)
-    if self.usage is not None:
-      self.usage.record(key, record.make_record(self.layout, args))
+    self._record(key, args)
     return entry
 
-  def on_miss(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
+  def _record(self, key: Hashable, args: Sequence[Any]) -> None:
+    if self.usage is not None:
+      self.usage.record(key, record.make_record(self.layout, args))
+
+  def on_miss(self,
+              key: Hashable,
+              args: Sequence[Any],
+              release_lock: bool = True) -> CompiledGraphEntry:
+    """The entry of a signature with none yet, compiled now or by the
+    thread compiling it already (see [Note: Compiles outside the lock]).
+    The caller holds execution_lock; with `release_lock`, the compile and
+    the wait let it go."""
     increment_counter(COUNTER_MISS, 1)
     if config.explain_misses:
       logger.info('%s', self.explain_miss(args))
-    entry = self.precompiled.pop(key, None)
-    if entry is not None:
-      self._add_prepared(key, entry, args)
-      return entry
-    return self._trace_and_record(key, args)
+    while True:
+      future = self._compiling(key)
+      if future is None:
+        break
+      # A compile still queued on the pool is the next one it runs.
+      compile_window.compile_pool().promote(future)
+      with execution.execution_lock_released():
+        concurrent.futures.wait([future])
+      if future.cancelled():
+        continue
+      error = future.exception()
+      if isinstance(error, CompileFailed):
+        raise CompileFailed(str(error)) from error
+      if error is not None:
+        raise CompileFailed(
+            f'torch_xla_patches: graph {self.graph_id}: the compile of '
+            f'{self.layout.signature_of(args).describe()}, which this call '
+            f'waited for, raised {type(error).__name__}: {error}') from error
+      entry = self.entries.get(key)
+      if entry is not None:
+        return entry
+    traced = self._trace(self.xla_model, args, self.layout)
+    if not traced.graph_tensors:
+      self._add_compiled(key, traced.entry, args)
+      return traced.entry
+    future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    self.compiling[key] = future
+    try:
+      if release_lock:
+        with execution.execution_lock_released():
+          compile_window.compile_traced(list(traced.graph_tensors))
+      else:
+        compile_window.compile_traced(list(traced.graph_tensors))
+    except BaseException as error:
+      del self.compiling[key]
+      future.set_exception(error)
+      raise
+    self._add_compiled(key, traced.entry, args)
+    del self.compiling[key]
+    future.set_result(traced.entry)
+    return traced.entry
 
-  def _add_prepared(self, key: Hashable, entry: CompiledGraphEntry,
+  def compile_only(self, key: Hashable, args: Sequence[Any]) -> None:
+    """For a compile-only call (see [Note: Compile-only calls] in
+    execution.py): a new signature is traced now and compiled on the compile
+    pool (counted as a miss); one compiled or compiling already is left as
+    it is. The future of its compile, if any, is noted for the caller
+    (execution.note_compile); it gives a SignatureCompiled. The caller holds
+    execution_lock."""
+    if key in self.entries:
+      return
+    future = self._compiling(key)
+    if future is not None:
+      execution.note_compile(future)
+      return
+    increment_counter(COUNTER_MISS, 1)
+    if config.explain_misses:
+      logger.info('%s', self.explain_miss(args))
+    traced = self._trace(self.xla_model, args, self.layout)
+    if not traced.graph_tensors:
+      self._add_compiled(key, traced.entry, args)
+      return
+    made = record.make_record(self.layout, args) if self.usage else None
+    signature = traced.entry.signature
+    graph_tensors = list(traced.graph_tensors)
+    del traced.graph_tensors[:]
+    entry = traced.entry
+
+    def compile_and_add() -> SignatureCompiled:
+      compiles_before, _ = compile_stats()
+      start = time.perf_counter()
+      try:
+        compile_window.compile_traced(graph_tensors)
+      except Exception as error:
+        with execution.execution_lock:
+          del self.compiling[key]
+        raise CompileFailed(
+            f'torch_xla_patches: graph {self.graph_id}: the background '
+            f'compile of {signature.describe()} raised '
+            f'{type(error).__name__}: {error}') from error
+      compiles_after, _ = compile_stats()
+      with execution.execution_lock:
+        self._add_entry(key, entry)
+        if made is not None:
+          self.usage.record(key, made)
+        del self.compiling[key]
+      return SignatureCompiled(entry=entry,
+                               seconds=time.perf_counter() - start,
+                               xla_compiles=int(compiles_after > compiles_before))
+
+    future = compile_window.compile_pool().submit(compile_and_add)
+    self.compiling[key] = future
+    execution.note_compile(future)
+
+  def _compiling(self, key: Hashable) -> Optional[concurrent.futures.Future]:
+    """The future of the compile of `key` in flight; one the pool cancelled
+    before it ran (revert(), exit) is forgotten."""
+    future = self.compiling.get(key)
+    if future is not None and future.cancelled():
+      del self.compiling[key]
+      return None
+    return future
+
+  def _add_compiled(self, key: Hashable, entry: CompiledGraphEntry,
                     args: Sequence[Any]) -> None:
     self._add_entry(key, entry)
-    if self.usage is not None:
-      self.usage.record(key, record.make_record(self.layout, args))
+    self._record(key, args)
 
   def _compile_recorded(self, args: List[Any]) -> bool:
     key = self.key_of(args)
-    if key in self.entries:
+    if key in self.entries or key in self.compiling:
       return False
-    if key in self.precompiled:
-      entry = self.precompiled[key]
-      if entry is None:
-        # A precompile() call claimed it: serially, that call compiled it
-        # already.
-        return False
-      del self.precompiled[key]
-      self._add_prepared(key, entry, args)
-      return True
     self._trace_and_record(key, args)
     return True
 
@@ -179,9 +319,8 @@ class SignatureCache:
     key = self.key_of(args)
     if key in self.entries:
       return lambda: False
-    if key in started or key in self.precompiled:
-      # The same signature is in flight, or claimed by a precompile():
-      # decided in turn, as serially.
+    if key in started or key in self.compiling:
+      # The same signature is in flight: decided in turn, as serially.
       def in_turn() -> bool:
         window.wait()
         return self._compile_recorded(args)

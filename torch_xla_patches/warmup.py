@@ -1,27 +1,25 @@
 """Warm-up: compile shape signatures before requests need them.
 
-`precompile(compiled_fn, specs)` runs a torch.compile'd callable once per
-signature, so dynamo traces once (dynamic=True) and the bridge compiles one
-XLA program per signature. (Signatures recorded by the persistent index or an
-artifact are replayed by the bridge itself, see backlog.py.)
-
-With config.compile_workers > 1 the calls go through the bridge in two passes
-and the XLA compiles run on worker threads, overlapping the traces (see
-[Note: Parallel precompile] in compile_window.py); traces themselves run one
-after another, on the calling thread.
+`precompile(compiled_fn, specs)` calls a torch.compile'd callable once per
+signature in compile-only mode (see [Note: Compile-only calls] in
+execution.py): dynamo traces once (dynamic=True), the bridge traces each
+signature on the calling thread and compiles it on the compile pool (see
+[Note: The compile pool] in compile_window.py), and no program runs.
+(Signatures recorded by the persistent index or an artifact are replayed by
+the bridge itself, see backlog.py.)
 """
 import dataclasses
-import functools
 import logging
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 import torch_xla
 
-from torch_xla_patches.backlog import compile_stats
-from torch_xla_patches import call_spec, compile_window, config, io_utils
+from torch_xla_patches import call_spec, config, execution, io_utils
 from torch_xla_patches.call_spec import CallSpec
 from torch_xla_patches.io_utils import TensorSpec
 
@@ -31,9 +29,10 @@ logger = logging.getLogger('torch_xla_patches.precompile')
 @dataclasses.dataclass(frozen=True)
 class PrecompiledSignature:
   description: str
-  # Wall seconds of the call (trace + compile + one run on zeros).
+  # Wall seconds from the start of the call to the end of its compile
+  # (compiles of several signatures overlap).
   seconds: float
-  # Seconds XLA spent compiling during the call (0 if it was cached).
+  # Seconds its compile took on the compile pool (0 if none was needed).
   compile_seconds: float
   xla_compiles: int
 
@@ -91,7 +90,9 @@ def precompile(
     progress: bool = True,
     tensor_pool: Optional[Dict[Any, torch.Tensor]] = None
 ) -> List[PrecompiledSignature]:
-  """Compiles one XLA program per signature in `specs`.
+  """Compiles one XLA program per signature in `specs`, without running
+  them: the model, its state and the arguments are left as they were (see
+  [Note: Compile-only calls] in execution.py).
 
   Args:
     compiled_fn: a callable made by torch.compile(..., backend='openxla'),
@@ -105,84 +106,195 @@ def precompile(
     tensor_pool: tensors CallSpec entries may reuse (see
       CallSpec.materialize), e.g. those a capture was made with.
   Returns:
-    One PrecompiledSignature per spec, in order.
+    One PrecompiledSignature per spec, in order, once every one is
+    compiled. A compile that raises is raised here, after the compiles of
+    the specs before it are done.
   """
   device = torch_xla.device()
   bar = _Progress(len(specs), progress)
   pool = tensor_pool if tensor_pool is not None else {}
-  if config.compile_workers > 1 and len(specs) > 1:
-    return _precompile_in_parallel(compiled_fn, specs, bar, pool,
-                                   config.compile_workers)
-  report = []
+  started = []
   for spec in specs:
     args, kwargs = _materialize(spec, device, pool)
-    item = _timed_call(compiled_fn, args, kwargs)
-    # One signature's tensors alive at a time.
-    del args, kwargs
-    report.append(item)
-    bar.step(item)
-  return report
-
-
-def _timed_call(compiled_fn: Callable, args: Tuple[Any, ...],
-                kwargs: Dict[str, Any]) -> PrecompiledSignature:
-  compiles_before, compile_seconds_before = compile_stats()
-  start = time.perf_counter()
-  compiled_fn(*args, **kwargs)
-  torch_xla.sync()
-  seconds = time.perf_counter() - start
-  compiles_after, compile_seconds_after = compile_stats()
-  return PrecompiledSignature(description=_describe(args, kwargs),
-                              seconds=seconds,
-                              compile_seconds=compile_seconds_after -
-                              compile_seconds_before,
-                              xla_compiles=compiles_after - compiles_before)
-
-
-def _precompile_in_parallel(compiled_fn: Callable, specs: Sequence[Any],
-                            bar: _Progress, pool: Dict[Any, torch.Tensor],
-                            workers: int) -> List[PrecompiledSignature]:
-  """precompile() in two passes (see [Note: Parallel precompile]). A call
-  whose signature compiled on a worker reports the wall seconds of its two
-  calls and of its trace and compile, which overlap others'."""
-  device = torch_xla.device()
-  calls = compile_window.PrecompileCalls(workers)
-  report: List[Optional[PrecompiledSignature]] = [None] * len(specs)
-  # (spec index, claim number, args, kwargs, seconds of the first pass)
-  stopped = []
-  for index, spec in enumerate(specs):
-    args, kwargs = _materialize(spec, device, pool)
-    compiles_before, compile_seconds_before = compile_stats()
     start = time.perf_counter()
-    claim = calls.call(functools.partial(compiled_fn, **kwargs), args)
-    if claim is None:
-      torch_xla.sync()
-      compiles_after, compile_seconds_after = compile_stats()
-      report[index] = PrecompiledSignature(
-          description=_describe(args, kwargs),
-          seconds=time.perf_counter() - start,
-          compile_seconds=compile_seconds_after - compile_seconds_before,
-          xla_compiles=compiles_after - compiles_before)
-      bar.step(report[index])
-    else:
-      stopped.append((index, claim, args, kwargs, time.perf_counter() - start))
-  compiled = calls.compile()
-  first_of_claim = set()
-  for index, claim, args, kwargs, first_seconds in stopped:
-    if claim >= compiled.ready:
-      # Where the serial precompile would have raised it.
-      raise compiled.error
-    item = _timed_call(compiled_fn, args, kwargs)
-    # Its claimed signature's compile (a later graph of the call may have
-    # compiled during the call itself).
-    first = claim not in first_of_claim
-    first_of_claim.add(claim)
-    worker_seconds = compiled.compile_seconds[claim] if first else 0.0
-    report[index] = PrecompiledSignature(
-        description=item.description,
-        seconds=first_seconds + worker_seconds + item.seconds,
-        compile_seconds=worker_seconds + item.compile_seconds,
-        xla_compiles=int(first and compiled.compiled[claim]) +
-        item.xla_compiles)
-    bar.step(report[index])
+    compiles = compile_without_running(compiled_fn, args, kwargs)
+    started.append((_describe(args, kwargs), start, compiles))
+    # The compiles hold the device data their graphs read, not the tensors.
+    del args, kwargs
+  report = []
+  reported: Set[int] = set()
+  for description, start, compiles in started:
+    report.append(_finished(description, start, compiles, reported))
+    bar.step(report[-1])
   return report
+
+
+def compile_without_running(compiled_fn: Callable, args: Sequence[Any],
+                            kwargs: Dict[str, Any]) -> List[Any]:
+  """Makes the call `compiled_fn(*args, **kwargs)` compile its first graph's
+  signature and stop before anything runs (see [Note: Compile-only calls]);
+  returns the futures of the compiles it started or found in flight (each
+  gives a signature_cache.SignatureCompiled)."""
+  with execution.compile_only() as compiles:
+    try:
+      compiled_fn(*args, **kwargs)
+    except execution.CompiledNotRun:
+      pass
+  return compiles
+
+
+def _finished(description: str, start: float, compiles: Sequence[Any],
+              reported: Set[int]) -> PrecompiledSignature:
+  """The report of one spec, once its compiles are done; a compile counts
+  for the first spec whose call found it (its id joins `reported`)."""
+  compile_seconds, xla_compiles = 0.0, 0
+  for future in compiles:
+    if future.cancelled():
+      continue
+    compiled = future.result()
+    if id(future) in reported:
+      continue
+    reported.add(id(future))
+    compile_seconds += compiled.seconds
+    xla_compiles += compiled.xla_compiles
+  return PrecompiledSignature(description=description,
+                              seconds=time.perf_counter() - start,
+                              compile_seconds=compile_seconds,
+                              xla_compiles=xla_compiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class Readiness:
+  """How far a served model's background warm-up is (see [Note: Ready at
+  once] in serving.py)."""
+  # Buckets whose programs are compiled.
+  ready: int
+  # Buckets in all.
+  total: int
+  # 'bucket N <description>: <error>' for each bucket whose compile raised.
+  failed: Tuple[str, ...]
+
+  @property
+  def done(self) -> bool:
+    """Whether every bucket is compiled or has failed."""
+    return self.ready + len(self.failed) == self.total
+
+
+class BackgroundWarmUp:
+  """Compiles a served model's buckets on a daemon thread, without running
+  them (see [Note: Compile-only calls] in execution.py), and tells how far
+  it is.
+
+  Args:
+    call: the served model's call.
+    specs: the buckets, as CallSpecs.
+    tensor_pool: tensors the buckets may reuse (see CallSpec.materialize).
+    then: called on the warm-up thread once every bucket is compiled or
+      has failed (serve() saves its artifact there).
+  """
+
+  def __init__(self, call: Callable[..., Any], specs: Sequence[CallSpec],
+               tensor_pool: Optional[Dict[Any, torch.Tensor]],
+               then: Optional[Callable[[], None]]):
+    self._call = call
+    self._specs = list(specs)
+    self._tensor_pool = tensor_pool
+    self._then = then
+    self._condition = threading.Condition()
+    self._ready = 0
+    self._failed: List[str] = []
+    self._stopped = False
+    self._bar = _Progress(len(self._specs), config.precompile_progress)
+    self._thread = threading.Thread(target=self._run,
+                                    name='xla-serve-warm-up',
+                                    daemon=True)
+    with _live_lock:
+      _live.add(self)
+    self._thread.start()
+
+  def readiness(self) -> Readiness:
+    with self._condition:
+      return Readiness(ready=self._ready,
+                       total=len(self._specs),
+                       failed=tuple(self._failed))
+
+  def wait(self, timeout: Optional[float] = None) -> bool:
+    """Waits until every bucket is compiled or has failed, or `timeout`
+    seconds; returns whether every bucket is compiled."""
+    with self._condition:
+      self._condition.wait_for(
+          lambda: self._ready + len(self._failed) == len(self._specs) or self.
+          _stopped, timeout)
+      return self._ready == len(self._specs)
+
+  def stop(self) -> None:
+    """Starts no more compiles (revert()); the compile pool cancels those
+    queued."""
+    with self._condition:
+      self._stopped = True
+      self._condition.notify_all()
+
+  def _run(self) -> None:
+    device = torch_xla.device()
+    pool = self._tensor_pool if self._tensor_pool is not None else {}
+    started = []
+    try:
+      for index, spec in enumerate(self._specs):
+        if self._stopped:
+          return
+        description = _describe_spec(spec)
+        start = time.perf_counter()
+        try:
+          args, kwargs = _materialize(spec, device, pool)
+          compiles = compile_without_running(self._call, args, kwargs)
+          del args, kwargs
+        except Exception as error:  # pylint: disable=broad-except
+          self._fail(index, description, error)
+          continue
+        started.append((index, description, start, compiles))
+      self._tensor_pool = None
+      del pool
+      reported: Set[int] = set()
+      for index, description, start, compiles in started:
+        try:
+          item = _finished(description, start, compiles, reported)
+        except Exception as error:  # pylint: disable=broad-except
+          self._fail(index, description, error)
+          continue
+        with self._condition:
+          self._ready += 1
+          self._condition.notify_all()
+        self._bar.step(item)
+      if self._then is not None and not self._stopped:
+        self._then()
+    finally:
+      with _live_lock:
+        _live.discard(self)
+
+  def _fail(self, index: int, description: str, error: BaseException) -> None:
+    message = (f'bucket {index} {description}: {type(error).__name__}: '
+               f'{error}')
+    logger.warning(
+        'torch_xla_patches.serve: the background compile of %s raised; calls '
+        'of that bucket compile it again and raise what it raises', message)
+    with self._condition:
+      self._failed.append(message)
+      self._condition.notify_all()
+
+
+def _describe_spec(spec: Any) -> str:
+  if isinstance(spec, CallSpec):
+    return spec.describe()
+  return repr(spec)
+
+
+_live: 'weakref.WeakSet[BackgroundWarmUp]' = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def stop_background_warm_ups() -> None:
+  """Stops every background warm-up from starting more compiles (revert())."""
+  with _live_lock:
+    warm_ups = list(_live)
+  for warm_up in warm_ups:
+    warm_up.stop()
