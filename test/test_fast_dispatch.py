@@ -118,19 +118,27 @@ def xla(t):
   return t.to(torch_xla.device())
 
 
-def served_model(cls, signatures):
+def served_model(cls, signatures, first_calls=True):
   """(a CPU copy, the XLA model, what serve() returns), in eval mode, with
-  the same weights."""
+  the same weights. With `first_calls`, each bucket has been called once, as
+  a server's first requests would: the warm-up compiles without running, so
+  it learns no run, and the first call of each bucket takes the full path
+  and learns it (test_bucket_calls_take_the_fast_path)."""
   torch.manual_seed(0)
   cpu = cls().eval()
   model = cls().to(torch_xla.device()).eval()
   model.load_state_dict(cpu.state_dict())
-  return cpu, model, torch_xla_patches.serve(model, signatures)
+  served = torch_xla_patches.serve(model, signatures)
+  if first_calls:
+    for bucket in signatures:
+      served(*(xla(torch.randn(spec.shape)) for spec in bucket))
+  return cpu, model, served
 
 
-def served_net(buckets=(4, 6, WIDTH)):
+def served_net(buckets=(4, 6, WIDTH), first_calls=True):
   return served_model(
-      Net, [(TensorSpec((b, WIDTH), torch.float32),) for b in buckets])
+      Net, [(TensorSpec((b, WIDTH), torch.float32),) for b in buckets],
+      first_calls)
 
 
 def check(served, cpu, x, **tolerances):
@@ -142,7 +150,7 @@ def check(served, cpu, x, **tolerances):
 
 
 def served_after_a_fast_call():
-  """served_net(), and the Paths of a first bucket call (the fast path)."""
+  """served_net(), and the Paths of a bucket call (the fast path)."""
   cpu, model, served = served_net()
   paths = Paths(served)
   check(served, cpu, torch.randn(4, WIDTH))
@@ -166,8 +174,15 @@ def full_then_fast(paths, served, cpu, batch, counter):
 def test_bucket_calls_take_the_fast_path(patched_bridge):
   # Batch WIDTH equals the Linear's width: captured with duck sizing, that
   # bucket would specialize the graph and every other bucket re-trace.
-  cpu, _, served = served_net()
+  cpu, _, served = served_net(first_calls=False)
   paths = Paths(served)
+  # The first call of each bucket takes the full path and learns its run.
+  for batch in (4, 6, WIDTH):
+    check(served, cpu, torch.randn(batch, WIDTH))
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_NO_PLAN: 1,
+      fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 2
+  }
   for batch in (4, 6, WIDTH, 4):
     check(served, cpu, torch.randn(batch, WIDTH))
   assert paths.since_last() == {'fast': 4}
@@ -384,12 +399,13 @@ def test_captured_side_effects_keep_the_full_path(patched_bridge, caplog):
   x = xla(torch.randn(4, WIDTH))
   torch.testing.assert_close(served(x).cpu(), model.proj(x).detach().cpu())
   served(x)
-  assert model.calls == calls + 2
-  # dynamo guards the counter's value, so the captured code no longer
-  # applies once it changed: torch.compile serves such calls.
+  # The warm-up compiled without running: the counter is the user's.
+  assert calls == 0 and model.calls == 2
+  # dynamo guards the counter's value: the captured code serves the first
+  # call; once the counter changed, torch.compile serves such calls.
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_NO_PLAN: 2,
-      fast_dispatch.COUNTER_RETRACE: 2
+      fast_dispatch.COUNTER_RETRACE: 1
   }
 
 
@@ -398,8 +414,10 @@ def test_random_ops_draw_a_seed_per_call(patched_bridge):
   model = Noisy().to(torch_xla.device())
   served = torch_xla_patches.serve(model, [(TensorSpec(
       (4, WIDTH), torch.float32),)])
-  paths = Paths(served)
   x = xla(torch.randn(4, WIDTH))
+  # The first call takes the full path and learns.
+  served(x)
+  paths = Paths(served)
   first, second = served(x).cpu(), served(x).cpu()
   noise = first - model.proj(x).detach().cpu()
   assert not torch.equal(first, second)
@@ -454,9 +472,14 @@ def test_a_loaded_artifact_takes_the_fast_path(patched_bridge, tmp_path):
       cache_dir=tmp_path)
   assert again.loaded and not served.loaded
   paths = Paths(again)
-  for batch in (4, 6):
+  for batch in (4, 6, 4, 6):
     check(again, cpu, torch.randn(batch, WIDTH))
-  assert paths.since_last() == {'fast': 2}
+  # The first call of each bucket learns its run.
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_NO_PLAN: 1,
+      fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
+      'fast': 2
+  }
 
 
 def test_the_plan_is_checked_against_the_full_path():

@@ -20,6 +20,15 @@ a later run would find the new shapes compiled by an earlier one):
 Prints, per mode and thread count: requests/s, p50 and p99 latency, the
 requests that raised, the results that differ from eager, and the served
 calls that left the fast path, by reason.
+
+  python tools/bench_concurrency.py --compile-while-serving
+      [--modes serve,patched,upstream]
+
+Compile while serving: one thread calls a compiled bucket back to back (the
+call's host time, the device waited for every 50 calls outside the timing)
+while another thread calls the NEW_SHAPES, each of which compiles. Prints,
+per mode: the steady thread's p50 before the compiles, and its p50, p99
+and worst call while they ran, and how long they took.
 """
 import argparse
 import collections
@@ -203,7 +212,88 @@ def run(mode: str, threads: int, requests: int, new_shapes: float, swap: bool,
   }
 
 
+def compile_while_serving(mode: str, seed: int) -> Dict[str, Any]:
+  """One compile-while-serving run in this process; returns its figures."""
+  import torch_xla
+  import torch_xla.core.xla_model as xm
+  device = torch_xla.device()
+  torch.manual_seed(seed)
+  model = Mlp().eval().to(device)
+  steady_shape = BUCKETS[0]
+  with torch.no_grad():
+    compiled = _compiled(mode, model, device)
+    if hasattr(compiled, 'wait_ready'):
+      compiled.wait_ready()
+    x = torch.randn(*steady_shape, WIDTH).to(device)
+    for _ in range(20):
+      compiled(x)
+    xm.wait_device_ops()
+
+  def steady_calls(count: Optional[int], stop: threading.Event) -> List[float]:
+    times = []
+    with torch.no_grad():
+      while (count is None and not stop.is_set()) or (count is not None and
+                                                      len(times) < count):
+        begin = time.perf_counter()
+        compiled(x)
+        times.append(time.perf_counter() - begin)
+        if len(times) % 50 == 0:
+          xm.wait_device_ops()
+    return times
+
+  before = sorted(steady_calls(300, threading.Event()))
+  stop = threading.Event()
+  compile_seconds = []
+
+  def compile_new_shapes() -> None:
+    begin = time.perf_counter()
+    with torch.no_grad():
+      for batch, seq in NEW_SHAPES:
+        compiled(torch.zeros(batch, seq, WIDTH, device=device)).cpu()
+    compile_seconds.append(time.perf_counter() - begin)
+    stop.set()
+
+  during: List[float] = []
+  steady = threading.Thread(
+      target=lambda: during.extend(steady_calls(None, stop)))
+  compiler = threading.Thread(target=compile_new_shapes)
+  steady.start()
+  compiler.start()
+  compiler.join()
+  steady.join()
+  during.sort()
+  return {
+      'mode': mode,
+      'p50_before_ms': 1e3 * statistics.median(before),
+      'p50_ms': 1e3 * statistics.median(during),
+      'p99_ms': 1e3 * during[min(len(during) - 1, int(0.99 * len(during)))],
+      'worst_ms': 1e3 * during[-1],
+      'calls': len(during),
+      'compile_s': compile_seconds[0],
+  }
+
+
+def probe_table(rows: List[Dict[str, Any]]) -> str:
+  lines = [
+      '| mode | steady p50 before, ms | steady p50 during, ms | p99, ms | '
+      'worst call, ms | worst / p50 before | calls during | 4 new shapes '
+      'compiled in, s |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|',
+  ]
+  for row in rows:
+    lines.append(f"| {row['mode']} | {row['p50_before_ms']:.3f} | "
+                 f"{row['p50_ms']:.3f} | {row['p99_ms']:.2f} | "
+                 f"{row['worst_ms']:.1f} | "
+                 f"{row['worst_ms'] / row['p50_before_ms']:.0f}x | "
+                 f"{row['calls']} | {row['compile_s']:.2f} |")
+  return '\n'.join(lines)
+
+
 def child_main(args) -> int:
+  if args.compile_while_serving:
+    print('RESULTS ' + json.dumps([compile_while_serving(args.child,
+                                                          args.seed)]))
+    return 0
   results = []
   for threads in args.threads:
     results.append(
@@ -250,12 +340,20 @@ def main() -> int:
                       action='store_true',
                       help='replace a Parameter halfway (between barriers)')
   parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--compile-while-serving',
+                      action='store_true',
+                      help='one steady thread while another compiles '
+                      'NEW_SHAPES (default modes serve,patched,upstream)')
   parser.add_argument('--json', help='also write the rows here')
   parser.add_argument('--child', help=argparse.SUPPRESS)
   args = parser.parse_args()
   args.threads = [int(n) for n in args.threads.split(',')]
   if args.child:
     return child_main(args)
+  if args.compile_while_serving:
+    if args.modes == parser.get_default('modes'):
+      args.modes = 'serve,patched,upstream'
+    args.threads = [2]
   rows = []
   for mode in args.modes.split(','):
     for threads in args.threads:
@@ -265,7 +363,8 @@ def main() -> int:
           str(args.requests), '--new-shapes',
           str(args.new_shapes), '--seed',
           str(args.seed)
-      ] + (['--swap'] if args.swap else [])
+      ] + (['--swap'] if args.swap else []) + (
+          ['--compile-while-serving'] if args.compile_while_serving else [])
       done = subprocess.run(command, capture_output=True, text=True)
       found = [
           line for line in done.stdout.splitlines()
@@ -277,8 +376,14 @@ def main() -> int:
         continue
       row, = json.loads(found[-1][len('RESULTS '):])
       rows.append(row)
-      if row['errors']:
+      if row.get('errors'):
         print(f'{mode}, {threads} threads: {row["errors"]}')
+  if args.compile_while_serving:
+    print(probe_table(rows))
+    if args.json:
+      with open(args.json, 'w') as f:
+        json.dump(rows, f, indent=1)
+    return 0
   print(table(rows))
   if args.json:
     with open(args.json, 'w') as f:

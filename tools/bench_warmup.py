@@ -15,16 +15,25 @@ Each mode runs in a fresh process, one after another in this run:
                      the grid): no dynamo trace; first result, then the
                      recorded signatures precompiled, then the grid served;
                      needs torch 2.9 (on 2.8 its row reports that)
-  serve              torch_xla_patches.serve(model, grid, cache_dir=...) in a
-                     fresh process with an empty cache directory, then the
-                     grid served
-  serve-restart      the same call in a fresh process on the cache
-                     directory serve filled: the artifact is loaded, no
+  serve-wait         torch_xla_patches.serve(model, grid, cache_dir=...,
+                     wait=True) in a fresh process with an empty cache
+                     directory: returns once every bucket is compiled; then
+                     the grid served
+  serve-wait-restart the same call in a fresh process on the cache
+                     directory serve-wait filled: the artifact is loaded, no
                      dynamo frame on torch 2.9 (torch 2.8 traces again)
+  serve              serve() as its default: it returns once the model is
+                     captured, the buckets compile in the background, and
+                     each call of the grid is served when its bucket is
+                     ready (a call moves its bucket to the front); empty
+                     cache directory
+  serve-restart      the same on the cache directory serve filled
 
 For each: wall seconds to serve the grid once (after model set-up), time to
-the first result, dynamo frame compiles, lazy traces, XLA compiles and seconds
-spent in XLA compile. Prints a markdown table, writes JSON and a PNG chart.
+the first result, time until every bucket is ready (serve modes), dynamo
+frame compiles, lazy traces, XLA compiles and seconds spent in XLA compile.
+Prints a markdown table, writes JSON and a PNG chart (a mark on each bar at
+its first result).
 
   python tools/bench_warmup.py            # the full 30-shape grid
   python tools/bench_warmup.py --demo     # a 12-shape grid, for make demo
@@ -46,8 +55,8 @@ FULL_GRID = [
 DEMO_GRID = [(b, s) for b in (1, 2, 4, 8) for s in (16, 32, 64)]
 
 MODES = ('upstream-static', 'upstream-dynamic', 'patched-cold',
-         'patched-precompile', 'patched-index', 'patched-artifact', 'serve',
-         'serve-restart')
+         'patched-precompile', 'patched-index', 'patched-artifact',
+         'serve-wait', 'serve-wait-restart', 'serve', 'serve-restart')
 # Set in the child process that saves the patched-artifact mode's artifact.
 _SAVE_ARTIFACT_ENV = 'XLA_PATCHES_BENCH_SAVE_ARTIFACT'
 
@@ -239,8 +248,8 @@ def run_artifact_mode(grid, norm, layers, width, cache_dir) -> dict:
 
 
 def run_serve_mode(mode, grid, norm, layers, width, cache_dir) -> dict:
-  """serve and serve-restart: torch_xla_patches.serve over the grid, then
-  the grid served."""
+  """serve, serve-wait and their restarts: torch_xla_patches.serve over the
+  grid, then the grid served."""
   import torch_xla.debug.metrics as met
   import torch_xla_patches
   from torch._dynamo.utils import counters
@@ -252,7 +261,8 @@ def run_serve_mode(mode, grid, norm, layers, width, cache_dir) -> dict:
   served = torch_xla_patches.serve(
       model, [(torch_xla_patches.TensorSpec(tuple(t.shape), t.dtype),)
               for t in device_batches],
-      cache_dir=cache_dir)
+      cache_dir=cache_dir,
+      wait=mode.startswith('serve-wait'))
   serve_seconds = time.perf_counter() - start
   outputs = []
   first_result = None
@@ -261,6 +271,8 @@ def run_serve_mode(mode, grid, norm, layers, width, cache_dir) -> dict:
     if first_result is None:
       first_result = time.perf_counter() - start
   wall = time.perf_counter() - start
+  served.wait_ready()
+  all_ready = time.perf_counter() - start
   max_diff = max(
       float((out - ref).abs().max()) for out, ref in zip(outputs, expected))
   compile_data = met.metric_data('CompileTime')
@@ -269,6 +281,7 @@ def run_serve_mode(mode, grid, norm, layers, width, cache_dir) -> dict:
       shapes=len(grid),
       wall_s=wall,
       first_result_s=first_result,
+      all_ready_s=all_ready,
       serve_s=serve_seconds,
       loaded_artifact=served.loaded,
       dynamo_frames=counters['stats']['unique_graphs'],
@@ -423,20 +436,23 @@ def format_table(results, grid_name: str) -> str:
   rows = [
       f'Warm-up over the {grid_name} grid ({results[0].get("shapes", "?")} '
       'shapes), one fresh process per mode', '',
-      '| mode | wall s | first result s | dynamo frames | lazy traces | '
-      'XLA compiles | XLA compile s | vs upstream static | vs upstream dynamic |',
-      '|---|---:|---:|---:|---:|---:|---:|---:|---:|'
+      '| mode | wall s | first result s | all buckets ready s | dynamo frames '
+      '| lazy traces | XLA compiles | XLA compile s | vs upstream static | '
+      'vs upstream dynamic |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|'
   ]
   for r in results:
     if 'error' in r:
-      rows.append(f'| {r["mode"]} | failed: {r["error"]} | | | | | | | |')
+      rows.append(f'| {r["mode"]} | failed: {r["error"]} | | | | | | | | |')
       continue
+    ready = (f'{r["all_ready_s"]:.1f}' if r.get('all_ready_s') is not None else
+             '-')
     ratios = [
         f'{r["wall_s"] / reference[name]:.2f}x' if name in reference else '-'
         for name in ('upstream-static', 'upstream-dynamic')
     ]
     rows.append(f'| {r["mode"]} | {r["wall_s"]:.1f} | '
-                f'{r["first_result_s"]:.1f} | {r["dynamo_frames"]} | '
+                f'{r["first_result_s"]:.1f} | {ready} | {r["dynamo_frames"]} | '
                 f'{r["lazy_traces"]} | {r["xla_compiles"]} | '
                 f'{r["xla_compile_s"]:.1f} | {ratios[0]} | {ratios[1]} |')
   cold = by_mode.get('patched-cold')
@@ -444,7 +460,7 @@ def format_table(results, grid_name: str) -> str:
     rows.append('')
     rows.append(f'patched-cold wall / its own XLA compile seconds: '
                 f'{cold["wall_s"] / cold["xla_compile_s"]:.2f}')
-  for name in ('serve', 'serve-restart'):
+  for name in ('serve-wait', 'serve-wait-restart', 'serve', 'serve-restart'):
     served = by_mode.get(name)
     if served and 'error' not in served and served['xla_compile_s']:
       rows.append(f'{name}: wall / its own XLA compile seconds '
@@ -485,6 +501,14 @@ def write_chart(results, path: str) -> bool:
   ax.invert_yaxis()
   ax.set_xlabel('seconds to serve every shape once')
   ax.legend(loc='lower right')
+  firsts = [r['first_result_s'] for r in ok]
+  ax.scatter(firsts,
+             list(positions),
+             marker='|',
+             s=400,
+             color='black',
+             zorder=3,
+             label='first result')
   for pos, wall in zip(positions, walls):
     ax.text(wall, pos, f' {wall:.1f}s', va='center')
   fig.tight_layout()
@@ -534,6 +558,8 @@ def main(argv=None) -> int:
         cache_dir = os.path.join(root, 'shared')
       elif mode in ('serve', 'serve-restart'):
         cache_dir = os.path.join(root, 'serve')
+      elif mode in ('serve-wait', 'serve-wait-restart'):
+        cache_dir = os.path.join(root, 'serve-wait')
       else:
         cache_dir = os.path.join(root, mode)
       os.makedirs(cache_dir, exist_ok=True)

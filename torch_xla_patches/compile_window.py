@@ -267,5 +267,6 @@ def stop_background_compiles() -> None:
 
 @atexit.register
 def _cancel_at_exit() -> None:
-  if _pool is not None:
-    _pool.cancel_queued()
+  # A compile still running when the interpreter tears XLA down aborts the
+  # process: it is waited for (one per worker at most); nothing queued runs.
+  stop_background_compiles()

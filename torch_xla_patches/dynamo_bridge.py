@@ -57,10 +57,10 @@ ptxla_debug = int(os.environ.get('PT_XLA_DEBUG', '0')) == 1
 def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                          layout: ArgLayout) -> tracing.TracedGraph:
   """Lazily traces `xla_model` on `args` and leaves the arguments as they
-  were. A program that updates its arguments in place is compiled here,
-  since its graph is their pending IR, which the restore drops; any other
-  is returned with its tensors to compile (see [Note: Compiles outside the
-  lock] in signature_cache.py)."""
+  were. A program whose graph holds arguments (one that updates them in
+  place: its graph is their pending IR, which the restore drops; one that
+  returns them) is compiled here; any other is returned with its tensors to
+  compile (see [Note: Compiles outside the lock] in signature_cache.py)."""
   tensors = [args[i] for i in layout.tensor_positions]
   # The arguments enter the graph as device data (see [Note: Threads] in
   # execution.py: not a sync of every live tensor, which races with other
@@ -73,8 +73,9 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
       tensors, clear_donor_marks=not sets_own_donors(xla_model)) as restore:
     count_epilogue_updates(xla_model)
     traced = tracing.trace_graph(xla_model, args, layout)
-    if not traced.entry.output_plan.inplace_updates:
-      return tracing.outputs_to_compile(traced)
+    if (not traced.entry.output_plan.inplace_updates and
+        tracing.compilable_elsewhere(traced)):
+      return traced
     traced = tracing.trace_donating(xla_model, args, layout, restore, traced)
     if traced.graph_tensors:
       with alias_with_buffer_donor_config():

@@ -255,6 +255,9 @@ class ServedCalls:
     except call_plan.PlanError as e:
       self._disable(str(e))
     self._learned = _Learned.NOTHING
+    # Watched from the start: a change during the first full call (the
+    # warm-up compiles without running, so learns nothing) must be seen.
+    module_watch.watch(model)
     self._retraced: Optional[Callable[..., Any]] = None
     # The bound-tensor check that last failed, until it passes again.
     self._changed_behind: Optional[call_plan.BoundTensorCheck] = None

@@ -77,21 +77,25 @@ class SignatureCache:
 
   [Note: Compiles outside the lock]
   A new signature is traced under execution_lock, and the trace leaves the
-  arguments as they were. Where the program updates no argument in place,
-  what is left to compile is the trace's own outputs, which hold no IR of a
-  tensor anyone else can reach; the XLA compile of them (the long part) then
-  runs without the lock, on the calling thread (a call that needs the
-  program) or on the compile pool (a compile-only call, see [Note:
-  Compile-only calls] in execution.py), and calls of programs compiled
-  already go on meanwhile. While it compiles, its future is in `compiling`:
-  a call of the same signature, from any thread, waits for it without the
-  lock, so a signature compiles once however many threads ask, and a
-  compile that raises gives its error to the calls that waited for it
-  (CompileFailed) and to no other. A program that updates its arguments
-  compiles under the lock, in its trace: its graph is their pending IR. So
-  do the first signature of a graph (dynamo's first call, which holds the
-  lock of the graph's compile) and recorded signatures replayed from the
-  backlog (see backlog.py), whose drains hold the lock.
+  arguments as they were. Where every tensor of the program's graph is an
+  output the trace computed (it updates no argument in place and returns
+  none), they hold no IR of a tensor anyone else can reach; the XLA compile
+  of them (the long part) then runs without the lock, on the calling thread
+  (a call that needs the program) or on the compile pool (a compile-only
+  call, see [Note: Compile-only calls] in execution.py), and calls of
+  programs compiled already go on meanwhile. While it compiles, its future
+  is in `compiling`: a call of the same signature, from any thread, waits
+  for it without the lock, so a signature compiles once however many
+  threads ask (one miss; the waiters count hits), and a compile that raises
+  gives its error to the calls that waited for it (CompileFailed) and to no
+  other. A program whose graph holds arguments compiles under the lock, in
+  its trace: an update in place is their pending IR, which the restore
+  drops, and a returned argument's device data would be written by the
+  compile while other threads read it. So do the first signature of a graph
+  outside a compile-only call (dynamo's first call, whose caller holds the
+  lock so that no other thread compiles the graph again) and recorded
+  signatures replayed from the backlog (see backlog.py), whose drains hold
+  the lock.
   """
 
   def __init__(self, xla_model: torch.fx.GraphModule, layout: ArgLayout,
@@ -179,13 +183,10 @@ class SignatureCache:
               key: Hashable,
               args: Sequence[Any],
               release_lock: bool = True) -> CompiledGraphEntry:
-    """The entry of a signature with none yet, compiled now or by the
-    thread compiling it already (see [Note: Compiles outside the lock]).
-    The caller holds execution_lock; with `release_lock`, the compile and
-    the wait let it go."""
-    increment_counter(COUNTER_MISS, 1)
-    if config.explain_misses:
-      logger.info('%s', self.explain_miss(args))
+    """The entry of a signature with none yet, compiled now (counted as a
+    miss) or by the thread compiling it already (a hit once it is; see
+    [Note: Compiles outside the lock]). The caller holds execution_lock; with
+    `release_lock`, the compile and the wait let it go."""
     while True:
       future = self._compiling(key)
       if future is None:
@@ -204,9 +205,15 @@ class SignatureCache:
             f'torch_xla_patches: graph {self.graph_id}: the compile of '
             f'{self.layout.signature_of(args).describe()}, which this call '
             f'waited for, raised {type(error).__name__}: {error}') from error
-      entry = self.entries.get(key)
+      entry = self.look_up(key)
       if entry is not None:
+        # Compiled by the call it waited for: a hit, as if it had come after.
         return entry
+    # Counted where the signature is traced: calls that waited for another
+    # call's compile are hits.
+    increment_counter(COUNTER_MISS, 1)
+    if config.explain_misses:
+      logger.info('%s', self.explain_miss(args))
     traced = self._trace(self.xla_model, args, self.layout)
     if not traced.graph_tensors:
       self._add_compiled(key, traced.entry, args)
@@ -214,6 +221,8 @@ class SignatureCache:
     future = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     self.compiling[key] = future
+    compiles_before, _ = compile_stats()
+    start = time.perf_counter()
     try:
       if release_lock:
         with execution.execution_lock_released():
@@ -224,9 +233,13 @@ class SignatureCache:
       del self.compiling[key]
       future.set_exception(error)
       raise
+    compiles_after, _ = compile_stats()
     self._add_compiled(key, traced.entry, args)
     del self.compiling[key]
-    future.set_result(traced.entry)
+    future.set_result(
+        SignatureCompiled(entry=traced.entry,
+                          seconds=time.perf_counter() - start,
+                          xla_compiles=int(compiles_after > compiles_before)))
     return traced.entry
 
   def compile_only(self, key: Hashable, args: Sequence[Any]) -> None:
@@ -245,9 +258,25 @@ class SignatureCache:
     increment_counter(COUNTER_MISS, 1)
     if config.explain_misses:
       logger.info('%s', self.explain_miss(args))
+    compiles_before, _ = compile_stats()
+    start = time.perf_counter()
     traced = self._trace(self.xla_model, args, self.layout)
+    # Under SPMD the trace's sync of the arguments replicates those the
+    # user left unannotated: the calls that follow have that key.
+    key = self.key_of(args)
+    if key in self.entries or self._compiling(key) is not None:
+      return
     if not traced.graph_tensors:
+      # Compiled in its trace, holding the lock (see [Note: Compiles outside
+      # the lock]).
       self._add_compiled(key, traced.entry, args)
+      compiles_after, _ = compile_stats()
+      done = concurrent.futures.Future()
+      done.set_result(
+          SignatureCompiled(entry=traced.entry,
+                            seconds=time.perf_counter() - start,
+                            xla_compiles=int(compiles_after > compiles_before)))
+      execution.note_compile(done)
       return
     made = record.make_record(self.layout, args) if self.usage else None
     signature = traced.entry.signature

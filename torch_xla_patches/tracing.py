@@ -437,22 +437,24 @@ def trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   return TracedGraph(entry=entry, graph_tensors=graph_tensors)
 
 
-def outputs_to_compile(traced: TracedGraph) -> TracedGraph:
-  """`traced`, of a trace that updated no argument, with only the outputs
-  whose pending IR is the program: an output that is device data (an
-  unchanged argument) has nothing to compile, and a compile's sync would
-  write its data's info while another thread reads it (see [Note: Compiles
-  outside the lock] in signature_cache.py)."""
+def compilable_elsewhere(traced: TracedGraph) -> bool:
+  """Whether `traced`, of a trace that updated no argument, can be compiled
+  after the arguments are restored, on any thread (see [Note: Compiles
+  outside the lock] in signature_cache.py): every tensor of its graph is an
+  output the trace computed. An output that is device data (an argument
+  returned, a tensor saved for backward) is part of the program's hash,
+  and a compile's sync would write its data's info while other threads
+  read it."""
+  if not traced.graph_tensors:
+    return False
+  computed = torch_xla._XLAC._check_tensor_need_materialization(
+      traced.graph_tensors)
+  if False in computed:
+    return False
   # What a trace with collectives left for the next one; the compile does
   # not need it.
   torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
-  if not traced.graph_tensors:
-    return traced
-  computed = torch_xla._XLAC._check_tensor_need_materialization(
-      traced.graph_tensors)
-  return TracedGraph(
-      entry=traced.entry,
-      graph_tensors=[t for t, flag in zip(traced.graph_tensors, computed) if flag])
+  return True
 
 
 def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],

@@ -8,6 +8,8 @@ signature on the calling thread and compiles it on the compile pool (see
 (Signatures recorded by the persistent index or an artifact are replayed by
 the bridge itself, see backlog.py.)
 """
+import atexit
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -204,6 +206,8 @@ class BackgroundWarmUp:
     self._ready = 0
     self._failed: List[str] = []
     self._stopped = False
+    # Set once the thread is done, `then` included.
+    self._over = False
     self._bar = _Progress(len(self._specs), config.precompile_progress)
     self._thread = threading.Thread(target=self._run,
                                     name='xla-serve-warm-up',
@@ -219,57 +223,78 @@ class BackgroundWarmUp:
                        failed=tuple(self._failed))
 
   def wait(self, timeout: Optional[float] = None) -> bool:
-    """Waits until every bucket is compiled or has failed, or `timeout`
-    seconds; returns whether every bucket is compiled."""
+    """Waits until every bucket is compiled or has failed and `then` has
+    run, or `timeout` seconds; returns whether every bucket is compiled."""
     with self._condition:
-      self._condition.wait_for(
-          lambda: self._ready + len(self._failed) == len(self._specs) or self.
-          _stopped, timeout)
+      self._condition.wait_for(lambda: self._over or self._stopped, timeout)
       return self._ready == len(self._specs)
 
   def stop(self) -> None:
-    """Starts no more compiles (revert()); the compile pool cancels those
-    queued."""
+    """Starts no more compiles and cancels its queued ones (revert()); waits
+    until its thread has stopped."""
     with self._condition:
       self._stopped = True
       self._condition.notify_all()
+    if threading.current_thread() is not self._thread:
+      self._thread.join()
 
   def _run(self) -> None:
-    device = torch_xla.device()
-    pool = self._tensor_pool if self._tensor_pool is not None else {}
-    started = []
     try:
-      for index, spec in enumerate(self._specs):
-        if self._stopped:
-          return
-        description = _describe_spec(spec)
-        start = time.perf_counter()
-        try:
-          args, kwargs = _materialize(spec, device, pool)
-          compiles = compile_without_running(self._call, args, kwargs)
-          del args, kwargs
-        except Exception as error:  # pylint: disable=broad-except
-          self._fail(index, description, error)
-          continue
-        started.append((index, description, start, compiles))
+      started = self._start_compiles()
       self._tensor_pool = None
-      del pool
-      reported: Set[int] = set()
-      for index, description, start, compiles in started:
-        try:
-          item = _finished(description, start, compiles, reported)
-        except Exception as error:  # pylint: disable=broad-except
-          self._fail(index, description, error)
-          continue
-        with self._condition:
-          self._ready += 1
-          self._condition.notify_all()
-        self._bar.step(item)
+      self._finish_compiles(started)
       if self._then is not None and not self._stopped:
         self._then()
     finally:
       with _live_lock:
         _live.discard(self)
+      with self._condition:
+        self._over = True
+        self._condition.notify_all()
+
+  def _start_compiles(self) -> List[Tuple[int, str, float, List[Any]]]:
+    """Traces each bucket on this thread; its compile goes to the pool."""
+    device = torch_xla.device()
+    pool = self._tensor_pool if self._tensor_pool is not None else {}
+    started = []
+    for index, spec in enumerate(self._specs):
+      if self._stopped:
+        break
+      description = _describe_spec(spec)
+      start = time.perf_counter()
+      try:
+        args, kwargs = _materialize(spec, device, pool)
+        compiles = compile_without_running(self._call, args, kwargs)
+        del args, kwargs
+      except Exception as error:  # pylint: disable=broad-except
+        self._fail(index, description, error)
+        continue
+      started.append((index, description, start, compiles))
+    return started
+
+  def _finish_compiles(
+      self, started: List[Tuple[int, str, float, List[Any]]]) -> None:
+    """Waits for each bucket's compiles, in order, and counts it ready."""
+    reported: Set[int] = set()
+    for index, description, start, compiles in started:
+      while not self._stopped:
+        _, waiting = concurrent.futures.wait(compiles, timeout=0.1)
+        if not waiting:
+          break
+      if self._stopped:
+        for _, _, _, others in started:
+          for future in others:
+            future.cancel()
+        return
+      try:
+        item = _finished(description, start, compiles, reported)
+      except Exception as error:  # pylint: disable=broad-except
+        self._fail(index, description, error)
+        continue
+      with self._condition:
+        self._ready += 1
+        self._condition.notify_all()
+      self._bar.step(item)
 
   def _fail(self, index: int, description: str, error: BaseException) -> None:
     message = (f'bucket {index} {description}: {type(error).__name__}: '
@@ -292,8 +317,10 @@ _live: 'weakref.WeakSet[BackgroundWarmUp]' = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
+@atexit.register
 def stop_background_warm_ups() -> None:
-  """Stops every background warm-up from starting more compiles (revert())."""
+  """Stops every background warm-up from starting more compiles (revert(),
+  interpreter exit, before the compile pool stops)."""
   with _live_lock:
     warm_ups = list(_live)
   for warm_up in warm_ups:
