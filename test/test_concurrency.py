@@ -1,6 +1,8 @@
 """Compiled calls from many threads (see [Note: Threads] in execution.py
 and [Note: One served call] in fast_dispatch.py)."""
+import collections
 import os
+import random
 import sys
 import threading
 
@@ -12,7 +14,8 @@ import torch_xla.debug.metrics as met
 import torch_xla_patches
 from torch_xla_patches import counters as bridge_counters
 from torch_xla_patches import (TensorSpec, call_plan, config, execution,
-                               fast_dispatch, program_run, tracing)
+                               fast_dispatch, program_run, torch_internals,
+                               tracing)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
@@ -132,6 +135,70 @@ def test_eight_threads_over_a_signature_cap(patched_bridge, monkeypatch):
   monkeypatch.setattr(config, 'max_signatures_per_graph', 3)
   eight_threads('serve', requests=100, new_shapes=0.2, swap=False, seed=3)
   assert counter(bridge_counters.COUNTER_DROPPED) > 0
+
+
+class TwoLayers(torch.nn.Module):
+
+  def __init__(self):
+    super().__init__()
+    self.first = torch.nn.Linear(WIDTH, WIDTH)
+    self.second = torch.nn.Linear(WIDTH, WIDTH)
+
+  def forward(self, x):
+    return self.second(torch.relu(self.first(x)))
+
+
+def test_torch_compile_calls_while_another_thread_compiles(patched_bridge):
+  # 8 threads x 60 calls of one torch.compile(dynamic=True) model, warmed
+  # on its usual shapes, with new shapes mixed in. A size of 1 is
+  # specialized by dynamo: dynamo compiles again, through AOTAutograd's FX
+  # trace, while the other threads call. dynamo's check of FX's
+  # process-wide flag refuses each of their calls ("Detected that you are
+  # using FX to symbolically trace a dynamo-optimized function") unless it
+  # answers for the calling thread (see [Note: FX tracing seen per thread]
+  # in torch_internals.py).
+  usual = [(2, 8), (4, 8), (4, 16)]
+  new = [(1, 8), (3, 1), (1, 1), (5, 7), (6, 3)]
+  threads, calls = 8, 60
+  torch.manual_seed(0)
+  cpu = TwoLayers().eval()
+  model = TwoLayers().eval().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  compiled = torch.compile(model, backend='openxla', dynamic=True)
+  with torch.no_grad():
+    for shape in usual:
+      compiled(xla(torch.zeros(*shape, WIDTH))).cpu()
+  start = threading.Barrier(threads)
+  lock = threading.Lock()
+  errors = collections.Counter()
+  results = []
+
+  def worker(index):
+    rng = random.Random(index)
+    mine = []
+    start.wait()
+    for _ in range(calls):
+      shape = rng.choice(new if rng.random() < 0.1 else usual)
+      x = torch.randn(*shape, WIDTH)
+      try:
+        with torch.no_grad():
+          mine.append((x, compiled(xla(x)).cpu()))
+      except Exception as e:  # pylint: disable=broad-except
+        with lock:
+          errors[f'{type(e).__name__}: {str(e).splitlines()[0]}'] += 1
+    with lock:
+      results.extend(mine)
+
+  workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+  for thread in workers:
+    thread.start()
+  for thread in workers:
+    thread.join()
+  assert dict(errors) == {}
+  assert len(results) == threads * calls
+  with torch.no_grad():
+    for x, y in results:
+      torch.testing.assert_close(y, cpu(x), atol=1e-4, rtol=1e-4)
 
 
 # -- each guarantee on its own
@@ -437,6 +504,79 @@ def test_a_trace_keeps_other_threads_pending_tensors(patched_bridge,
                                                             ]
   torch.testing.assert_close(pending[0].cpu(), torch.full((3,), 2.0))
   torch.testing.assert_close(earlier.cpu(), torch.full((3,), 3.0))
+
+
+def fx_tracing_check():
+  """The function dynamo's frame entry asks whether FX is tracing."""
+  _, module, name = torch_internals.fx_tracing_flag_users()
+  return getattr(module, name)
+
+
+NESTED_FX_TRACE = ('Detected that you are using FX to symbolically trace a '
+                   'dynamo-optimized function')
+
+
+def test_fx_tracing_is_seen_on_the_tracing_thread_only(patched_bridge):
+  from torch.fx.experimental.proxy_tensor import make_fx
+  compiled = torch.compile(lambda t: t * 2 + 1, backend='eager')
+  x = torch.randn(3)
+  compiled(x)
+  inside, release = threading.Event(), threading.Event()
+  seen_inside = []
+
+  def traced(t):
+    seen_inside.append(fx_tracing_check()())
+    inside.set()
+    assert release.wait(timeout=60)
+    return t + 1
+
+  # Another thread traces with make_fx (AOTAutograd's FX trace) and waits
+  # in the middle of its trace.
+  thread, outcome = call_in_thread(make_fx(traced), torch.randn(2))
+  try:
+    assert inside.wait(timeout=60), outcome
+    # FX's one flag is set, for the process.
+    assert torch.fx._symbolic_trace._is_fx_tracing_flag
+    # This thread traces nothing: its compiled call runs.
+    assert not fx_tracing_check()()
+    torch.testing.assert_close(compiled(x), x * 2 + 1)
+  finally:
+    release.set()
+    thread.join()
+  assert 'error' not in outcome, outcome
+  assert seen_inside == [True]
+  # A compiled function called inside an FX trace of its own thread is
+  # still refused, whichever FX trace it is.
+  with pytest.raises(RuntimeError, match=NESTED_FX_TRACE):
+    make_fx(lambda t: compiled(t))(x)
+  with pytest.raises(RuntimeError, match=NESTED_FX_TRACE):
+    torch.fx.symbolic_trace(lambda t: compiled(t))
+  # torch.cond clears the flag to compile its branches inside the trace.
+  def branching(t):
+    return torch.cond(t.sum() > 0, lambda u: u + 1, lambda u: u - 1, (t,))
+
+  graph = make_fx(branching)(x).graph
+  assert torch.ops.higher_order.cond in [node.target for node in graph.nodes]
+  assert not torch.fx._symbolic_trace._is_fx_tracing_flag
+
+
+def test_revert_restores_torchs_fx_tracing_functions():
+  assert not torch_xla_patches.is_applied()
+  tracer, module, name = torch_internals.fx_tracing_flag_users()
+  trace, check = tracer.trace, getattr(module, name)
+  torch_xla_patches.apply()
+  try:
+    assert tracer.trace is not trace
+    assert getattr(module, name) is not check
+    compiled = torch.compile(lambda t: t - 1, backend='eager')
+  finally:
+    torch_xla_patches.revert()
+  assert tracer.trace is trace
+  assert getattr(module, name) is check
+  # dynamo bound the check of the function compiled under apply(); with
+  # the count of traces gone, it answers as torch's.
+  with pytest.raises(RuntimeError, match=NESTED_FX_TRACE):
+    torch.fx.symbolic_trace(lambda t: compiled(t))
 
 
 # -- what the fast path checks of bound tensors

@@ -4,6 +4,7 @@ torch_internals.py and dynamo_bridge.py names a private torch API."""
 import ast
 import os
 import sys
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -187,6 +188,59 @@ def test_dispatch_helpers():
   cpu = torch_internals.cpp_kernel(op, torch._C.DispatchKey.CPU)
   for a, e in zip(cpu(x, [4], None, None, 1e-5), expected):
     torch.testing.assert_close(a, e)
+
+
+def test_fx_tracing_flag_users_are_the_ones_dynamo_and_fx_use():
+  # See [Note: FX tracing seen per thread]: Tracer.trace is what sets FX's
+  # flag, and dynamo binds the check it names when torch.compile wraps a
+  # function (is_fx_symbolic_tracing on torch 2.9, is_fx_tracing on 2.8).
+  import inspect
+  from torch._dynamo import eval_frame
+  from torch.fx import _symbolic_trace
+  tracer, module, name = torch_internals.fx_tracing_flag_users()
+  assert tracer is torch.fx.Tracer and module is _symbolic_trace
+  assert '_is_fx_tracing_flag = True' in inspect.getsource(tracer.trace)
+  assert (f'torch.fx._symbolic_trace.{name}\n'
+          in inspect.getsource(eval_frame._TorchDynamoContext.__call__))
+
+
+def test_fx_tracing_on_this_thread_counts_each_threads_traces():
+  flag = [False]
+
+  class Tracer:
+
+    def trace(self, then):
+      # As FX's Tracer.trace sets its flag.
+      old, flag[0] = flag[0], True
+      try:
+        return then()
+      finally:
+        flag[0] = old
+
+  check = torch_internals.fx_tracing_on_this_thread(lambda: flag[0], Tracer)
+  trace = Tracer.trace
+  Tracer.trace = torch_internals.counting_fx_traces(trace)
+  try:
+    assert not check()
+    assert Tracer().trace(check)
+    # Nested traces, and the count back to 0 after one raised.
+    assert Tracer().trace(lambda: Tracer().trace(check) and check())
+    with pytest.raises(ZeroDivisionError):
+      Tracer().trace(lambda: 1 / 0)
+    assert Tracer().trace(check)
+    # The flag set by a trace of another thread.
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(check()))
+    flag[0] = True
+    other.start()
+    other.join()
+    assert seen == [False]
+  finally:
+    flag[0] = False
+    Tracer.trace = trace
+  # Without the counting wrapper in place, the check is the flag's.
+  flag[0] = True
+  assert check()
 
 
 if __name__ == '__main__':

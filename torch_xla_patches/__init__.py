@@ -88,6 +88,7 @@ def apply(*,
             f'torch_xla_patches cannot patch {target.describe()}: expected a '
             'function, found nothing.')
       _patching.check_signature(target, current, ('xla_model', 'xla_args'))
+    fx_tracer, fx_module, fx_check = torch_internals.fx_tracing_flag_users()
     backends = torch_internals.backend_registry()
     openxla = (torch_internals.openxla_backend()
                if config.donate_inplace_updates else None)
@@ -129,6 +130,16 @@ def apply(*,
         eval_frame, 'make_set_enable_dynamic',
         torch_internals.shared_dynamic_config(
             _registry.original(eval_frame, 'make_set_enable_dynamic')))
+    # torch.compile'd calls on one thread while another compiles (see [Note:
+    # FX tracing seen per thread]).
+    _registry.set(
+        fx_tracer, 'trace',
+        torch_internals.counting_fx_traces(
+            _registry.original(fx_tracer, 'trace')))
+    _registry.set(
+        fx_module, fx_check,
+        torch_internals.fx_tracing_on_this_thread(
+            _registry.original(fx_module, fx_check), fx_tracer))
     # The per-call work in C++, loaded where its build step built it (see
     # [Note: Building the native fast path]); never built here.
     native.helpers()

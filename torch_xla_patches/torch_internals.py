@@ -193,6 +193,92 @@ def shared_dynamic_config(
   return make_shared
 
 
+def fx_tracing_flag_users() -> Tuple[Type, Any, str]:
+  """(Tracer, module, name): FX's Tracer, whose `trace` sets FX's process-wide
+  "FX is tracing" flag, and `module.name`, the function dynamo's frame entry
+  reads that flag through: torch.fx._symbolic_trace.is_fx_symbolic_tracing,
+  or is_fx_tracing on torch 2.8, which has no is_fx_symbolic_tracing (see
+  [Note: FX tracing seen per thread])."""
+  module = importlib.import_module('torch.fx._symbolic_trace')
+  tracer = getattr(module, 'Tracer', None)
+  if not callable(getattr(tracer, 'trace', None)):
+    raise _missing('torch.fx._symbolic_trace.Tracer.trace')
+  for name in ('is_fx_symbolic_tracing', 'is_fx_tracing'):
+    if callable(getattr(module, name, None)):
+      return tracer, module, name
+  raise _missing('torch.fx._symbolic_trace.is_fx_tracing')
+
+
+# [Note: FX tracing seen per thread]
+# FX keeps "FX is tracing" in one module-level flag, `_is_fx_tracing_flag`,
+# which Tracer.trace sets for the length of a trace; make_fx traces through
+# it, so AOTAutograd does in every dynamo compile of the openxla backend.
+# Every torch.compile'd function and module checks the flag when called (in
+# the wrapper _TorchDynamoContext.__call__ makes) and refuses to run inside
+# an FX trace ("Detected that you are using FX to symbolically trace a
+# dynamo-optimized function"). The flag is the process's: while one thread
+# compiles, every compiled call of every other thread raises that error.
+# (Tracer.trace also puts its own nn.Module.__call__ in place for every
+# thread; make_fx's tracer passes a module call through unchanged, so
+# another thread's call reaches its own model as before, and only the check
+# stops it.)
+#
+# Under apply() the check dynamo makes answers "is FX tracing on this
+# thread": torch's own answer (the flag is set), and this thread is inside
+# Tracer.trace, which a wrapper counts per thread. On one thread the answer
+# is torch's: only Tracer.trace sets the flag, so a set flag means this
+# thread traces. A compiled function called inside an FX trace of its own
+# thread is still refused, and one called where a higher-order op cleared
+# the flag to compile inside a trace (cond, while_loop) still runs. dynamo
+# binds the check when torch.compile wraps a function or module: what was
+# compiled before apply() keeps torch's check, and a check bound under
+# apply() answers as torch's once revert() has removed the counting
+# wrapper. The flag itself stays the process's for its other readers, and
+# FX traces on two threads at once stay unsupported (both replace
+# nn.Module.__call__); dynamo compiles one frame at a time (its compile
+# lock), so torch.compile calls never make two.
+_fx_traces = threading.local()
+# Set on the wrapper of Tracer.trace: while it is in place, the count of
+# each thread's traces is kept.
+_COUNTS_FX_TRACES = 'torch_xla_patches_counts_fx_traces'
+
+
+def _fx_traces_on_this_thread() -> int:
+  return getattr(_fx_traces, 'depth', 0)
+
+
+def counting_fx_traces(trace: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps Tracer.trace to count the traces in flight on each thread (see
+  [Note: FX tracing seen per thread])."""
+
+  @functools.wraps(trace)
+  def counted_trace(self, *args: Any, **kwargs: Any) -> Any:
+    _fx_traces.depth = _fx_traces_on_this_thread() + 1
+    try:
+      return trace(self, *args, **kwargs)
+    finally:
+      _fx_traces.depth -= 1
+
+  setattr(counted_trace, _COUNTS_FX_TRACES, True)
+  return counted_trace
+
+
+def fx_tracing_on_this_thread(check: Callable[[], bool],
+                              tracer: Type) -> Callable[[], bool]:
+  """Wraps `check`, FX's "is FX tracing" function dynamo reads, to answer for
+  the calling thread (see [Note: FX tracing seen per thread]). `tracer` is
+  FX's Tracer, whose `trace` counting_fx_traces wraps."""
+
+  @functools.wraps(check)
+  def on_this_thread() -> bool:
+    if not check():
+      return False
+    return (_fx_traces_on_this_thread() > 0 or
+            not getattr(tracer.trace, _COUNTS_FX_TRACES, False))
+
+  return on_this_thread
+
+
 def xla_backend_module() -> Any:
   """torch._dynamo.backends.torchxla, whose xla_backend_helper the openxla
   backends call with each compiled graph."""

@@ -24,6 +24,10 @@ What differs between the supported releases, as far as the patch goes:
   * torch 2.8 has dynamo's C++ symbolic-shape guards off by default
     (`enable_cpp_symbolic_shape_guards`); apply() turning them off is then a
     no-op, and upstream's first dynamic call is not slow to begin with.
+  * torch 2.8's dynamo asks FX whether it is tracing through is_fx_tracing,
+    torch 2.9's through is_fx_symbolic_tracing (2.8 has none);
+    torch_internals.fx_tracing_flag_users() names the one installed (see
+    [Note: FX tracing seen per thread]).
   * torch_xla 2.8 ends the process on some XLA error statuses (a fatal
     `Non-OK-status` check) where 2.9 raises a RuntimeError: the BatchNorm
     eval-mode backward bug (pytorch/xla#3361, eager XLA too) aborts on 2.8.
