@@ -285,8 +285,10 @@ def test_a_failing_compile_in_precompile_raises_after_the_others(
 def serve_here_with(compiled, w, sizes):
   for n in sizes:
     x = torch.randn(n, 8)
-    torch.testing.assert_close(
-        compiled(xla(x), w).cpu(), mlp(x, w.cpu()), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled(xla(x), w).cpu(),
+                               mlp(x, w.cpu()),
+                               rtol=1e-4,
+                               atol=1e-4)
 
 
 def sample(x, w):

@@ -107,8 +107,7 @@ def test_serve_returns_before_its_buckets_are_compiled(slow_compiles):
   assert counters()['DynamoSignatureMiss'] == 0
 
 
-def test_a_call_of_a_bucket_not_ready_waits_for_its_one_compile(
-    slow_compiles):
+def test_a_call_of_a_bucket_not_ready_waits_for_its_one_compile(slow_compiles):
   slow = slow_compiles(seconds=0.3)
   cpu, model = models()
   served = torch_xla_patches.serve(model, BUCKETS, wait=False)
@@ -207,14 +206,15 @@ print('served', served.readiness().ready, flush=True)
 
 def test_exit_with_compiles_queued_does_not_hang():
   start = time.perf_counter()
-  proc = subprocess.run([sys.executable, '-c', EXIT_SCRIPT],
-                        capture_output=True,
-                        text=True,
-                        timeout=120,
-                        env={
-                            **__import__('os').environ, 'PYTHONPATH': REPO_ROOT,
-                            'XLA_PATCHES_SERVE_WAIT': '0'
-                        })
+  proc = subprocess.run(
+      [sys.executable, '-c', EXIT_SCRIPT],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      env={
+          **__import__('os').environ, 'PYTHONPATH': REPO_ROOT,
+          'XLA_PATCHES_SERVE_WAIT': '0'
+      })
   seconds = time.perf_counter() - start
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.startswith('served 0'), proc.stdout

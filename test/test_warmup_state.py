@@ -103,10 +103,16 @@ def test_precompile_leaves_the_state_as_it_was(grad):
 
 def test_a_restart_from_an_artifact_leaves_the_state_as_it_was(tmp_path):
   cpu, module = step_pair()
-  first = torch_xla_patches.serve(module, BUCKETS, cache_dir=tmp_path, wait=True)
+  first = torch_xla_patches.serve(module,
+                                  BUCKETS,
+                                  cache_dir=tmp_path,
+                                  wait=True)
   assert not first.loaded
   before = state_of(module)
-  again = torch_xla_patches.serve(module, BUCKETS, cache_dir=tmp_path, wait=True)
+  again = torch_xla_patches.serve(module,
+                                  BUCKETS,
+                                  cache_dir=tmp_path,
+                                  wait=True)
   assert again.loaded
   assert_same_state(before, state_of(module))
   answers_as_eager(cpu, again)

@@ -291,8 +291,8 @@ def probe_table(rows: List[Dict[str, Any]]) -> str:
 
 def child_main(args) -> int:
   if args.compile_while_serving:
-    print('RESULTS ' + json.dumps([compile_while_serving(args.child,
-                                                          args.seed)]))
+    print('RESULTS ' +
+          json.dumps([compile_while_serving(args.child, args.seed)]))
     return 0
   results = []
   for threads in args.threads:

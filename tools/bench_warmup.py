@@ -445,8 +445,8 @@ def format_table(results, grid_name: str) -> str:
     if 'error' in r:
       rows.append(f'| {r["mode"]} | failed: {r["error"]} | | | | | | | | |')
       continue
-    ready = (f'{r["all_ready_s"]:.1f}' if r.get('all_ready_s') is not None else
-             '-')
+    ready = (f'{r["all_ready_s"]:.1f}'
+             if r.get('all_ready_s') is not None else '-')
     ratios = [
         f'{r["wall_s"] / reference[name]:.2f}x' if name in reference else '-'
         for name in ('upstream-static', 'upstream-dynamic')

@@ -46,7 +46,7 @@ from typing import (Any, Callable, ContextManager, Deque, Iterator, List,
 import torch_xla
 import torch_xla.debug.metrics as metrics
 
-from torch_xla_patches import config
+from torch_xla_patches import config, execution
 from torch_xla_patches import record as record_lib
 from torch_xla_patches.record import RecordedSignature, ReplayTemplate
 from torch_xla_patches.signature import ArgLayout
@@ -228,7 +228,9 @@ class Backlog:
     total = len(self._queue) if budget.count is None else min(
         len(self._queue), budget.count)
     workers = config.compile_workers
-    if self._compile_window is None or total < 2:
+    if self._compile_window is None or total < 2 or execution.compiling_only():
+      # A warm-up's drain traces here and compiles on the compile pool (see
+      # [Note: Compile-only calls] in execution.py).
       workers = 1
     steps: List[BacklogStep] = []
     with self._window(workers) as start:

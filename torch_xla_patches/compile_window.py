@@ -170,8 +170,8 @@ class CompilePool:
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._queue: Deque[Tuple[concurrent.futures.Future, Callable[[], Any]]] = (
-        collections.deque())
+    self._queue: Deque[Tuple[concurrent.futures.Future,
+                             Callable[[], Any]]] = (collections.deque())
     self._wakeup = threading.Condition(self._lock)
     self._threads: List[threading.Thread] = []
     self._running = 0

@@ -125,8 +125,8 @@ class ShapeSignature:
         f'input {pos}: [{", ".join(str(s) for s in sizes)}]'
         for pos, sizes in self.tensor_shapes
     ]
-    parts.extend(f'input {pos}: {value!r}'
-                 for pos, value in self.shape_values + self.scalar_values)
+    parts.extend(f'input {pos}: {value!r}' for pos, value in self.shape_values +
+                 self.scalar_values)
     return 'signature (' + '; '.join(parts) + ')'
 
   def differences(self, other: 'ShapeSignature') -> List[str]:

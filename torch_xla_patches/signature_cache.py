@@ -45,6 +45,7 @@ class CompileFailed(RuntimeError):
   names the graph and the signature (see [Note: Compiles outside the
   lock])."""
 
+
 _graph_ids = itertools.count()
 _live_caches: 'weakref.WeakSet[SignatureCache]' = weakref.WeakSet()
 
@@ -258,13 +259,22 @@ class SignatureCache:
     increment_counter(COUNTER_MISS, 1)
     if config.explain_misses:
       logger.info('%s', self.explain_miss(args))
+    self._compile_in_background(args)
+
+  def _compile_in_background(self, args: Sequence[Any]) -> None:
+    """Traces the signature of `args` now and compiles it on the compile
+    pool; the future of its compile is noted (execution.note_compile). The
+    caller holds execution_lock."""
     compiles_before, _ = compile_stats()
     start = time.perf_counter()
     traced = self._trace(self.xla_model, args, self.layout)
     # Under SPMD the trace's sync of the arguments replicates those the
     # user left unannotated: the calls that follow have that key.
     key = self.key_of(args)
-    if key in self.entries or self._compiling(key) is not None:
+    if key in self.entries:
+      return
+    if self._compiling(key) is not None:
+      execution.note_compile(self.compiling[key])
       return
     if not traced.graph_tensors:
       # Compiled in its trace, holding the lock (see [Note: Compiles outside
@@ -302,9 +312,10 @@ class SignatureCache:
         if made is not None:
           self.usage.record(key, made)
         del self.compiling[key]
-      return SignatureCompiled(entry=entry,
-                               seconds=time.perf_counter() - start,
-                               xla_compiles=int(compiles_after > compiles_before))
+      return SignatureCompiled(
+          entry=entry,
+          seconds=time.perf_counter() - start,
+          xla_compiles=int(compiles_after > compiles_before))
 
     future = compile_window.compile_pool().submit(compile_and_add)
     self.compiling[key] = future
@@ -326,8 +337,14 @@ class SignatureCache:
 
   def _compile_recorded(self, args: List[Any]) -> bool:
     key = self.key_of(args)
-    if key in self.entries or key in self.compiling:
+    if key in self.entries or self._compiling(key) is not None:
       return False
+    if execution.compiling_only():
+      # The first call of a warm-up (see [Note: Compile-only calls] in
+      # execution.py): the recorded signatures compile on the pool, as its
+      # buckets do, and the warm-up waits for them.
+      self._compile_in_background(args)
+      return True
     self._trace_and_record(key, args)
     return True
 
