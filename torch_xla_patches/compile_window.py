@@ -19,7 +19,8 @@ from torch_xla_patches.donation import (count_epilogue_updates, sets_own_donors,
                                         sync_alone_noting_reads)
 from torch_xla_patches.signature import ArgLayout
 from torch_xla_patches.tracing import (ArgumentsRestore, CompiledGraphEntry,
-                                       trace_donating, trace_graph)
+                                       graph_constants, trace_donating,
+                                       trace_graph)
 
 
 def compile_graph(graph_tensors: List[torch.Tensor]) -> None:
@@ -109,7 +110,8 @@ class CompileWindow:
     tensors = [args[i] for i in layout.tensor_positions]
     self._begin_trace(tensors)
     restore = ArgumentsRestore.of(
-        tensors, clear_donor_marks=not sets_own_donors(xla_model))
+        tensors + graph_constants(xla_model),
+        clear_donor_marks=not sets_own_donors(xla_model))
     restoring = True
     try:
       count_epilogue_updates(xla_model)

@@ -70,7 +70,8 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
   with pending_ir_restored(
-      tensors, clear_donor_marks=not sets_own_donors(xla_model)) as restore:
+      tensors + tracing.graph_constants(xla_model),
+      clear_donor_marks=not sets_own_donors(xla_model)) as restore:
     count_epilogue_updates(xla_model)
     traced = tracing.trace_graph(xla_model, args, layout)
     if (not traced.entry.output_plan.inplace_updates and
@@ -292,7 +293,7 @@ def partition_fx_graph_for_cpu_fallback(
   partitioned_graph = partitioner.fuse_partitions(partitions)
   _run_last(partitioned_graph.graph, [node.name for node in input_updates])
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
-  with pending_ir_restored(tensor_args):
+  with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
     InputCollector(partitioned_graph).run(*xla_args)
 
   fused_parts = 0
@@ -359,7 +360,7 @@ def _find_unsupported_nodes(xla_model: torch.fx.GraphModule,
                             xla_args: Sequence[Any]) -> List[torch.fx.Node]:
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
   collector = UnsupportedNodesCollector(xla_model)
-  with pending_ir_restored(tensor_args):
+  with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
     collector.run(*xla_args)
   return collector.get_unsupported_nodes()
 

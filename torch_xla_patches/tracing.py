@@ -264,6 +264,27 @@ class ArgumentsRestore:
     del self.clones[:]
 
 
+def graph_constants(xla_model: torch.fx.GraphModule) -> List[torch.Tensor]:
+  """The XLA tensors the graph reads as attributes of its module (get_attr),
+  not as arguments: what dynamo's capture without AOTAutograd makes of a
+  tensor held by a plain object (a transformers StaticCache's keys and
+  values). A trace that updates one in place must restore it as it restores
+  the arguments."""
+  constants = []
+  seen = set()
+  for node in xla_model.graph.nodes:
+    if node.op != 'get_attr':
+      continue
+    value = xla_model
+    for part in node.target.split('.'):
+      value = getattr(value, part, None)
+    if (isinstance(value, torch.Tensor) and value.device.type == 'xla' and
+        id(value) not in seen):
+      seen.add(id(value))
+      constants.append(value)
+  return constants
+
+
 def _flatten_outputs(out: Any) -> List[Any]:
   if isinstance(out, (tuple, list)):
     return list(out)
