@@ -423,6 +423,91 @@ def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
   assert served.calls.fast_calls == steps
 
 
+def compiled_layer_caches():
+  """LayerCaches under torch.compile, its signature traced by a first call:
+  (cpu model, compiled model)."""
+  cpu, model = cpu_and_xla(LayerCaches)
+  compiled = torch.compile(model, backend='openxla', dynamic=True)
+  expected = [torch.zeros(32, 8) for _ in range(2)]
+  with torch.no_grad():
+    served_step(
+        cpu, compiled,
+        [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)],
+        expected, 99)
+  return cpu, compiled
+
+
+def layer_caches_front_end(front_end):
+  """(cpu model, LayerCaches served or compiled) ready to run a step."""
+  if front_end == 'serve':
+    cpu, served, _, _ = serve_layer_caches()
+    return cpu, served
+  return compiled_layer_caches()
+
+
+FRONT_ENDS = [
+    pytest.param('serve', marks=pytest.mark.requires('torch_aot_compile')),
+    'torch.compile'
+]
+
+
+@pytest.mark.parametrize('front_end', FRONT_ENDS)
+@pytest.mark.parametrize('synced', [False, True],
+                         ids=['made on the device', 'made and synced'])
+def test_a_donating_run_syncs_only_its_own_arguments(patched_bridge, synced,
+                                                     front_end):
+  # Issue 33: a donating run on caches the caller had just made synced every
+  # live tensor of the device, which races with other threads' tensors (see
+  # [Note: Threads] in execution.py). Another tensor with pending IR, made
+  # after the caches, stays pending through the call.
+  cpu, served = layer_caches_front_end(front_end)
+  caches = [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)]
+  if synced:
+    torch_xla.sync()
+  expected = [torch.zeros(32, 8) for _ in range(2)]
+  other = torch.ones(3, device=torch_xla.device()) * 2
+  before = donation_counters()
+  synced_before = readers_synced()
+  with torch.no_grad():
+    served_step(cpu, served, caches, expected, 0)
+  assert torch_xla._XLAC._check_tensor_need_materialization([other]) == [True]
+  assert readers_synced() == synced_before
+  # Caches left pending were computed into buffers of their own, taken over
+  # as they were; synced ones hold data the caller set, copied for the run.
+  assert donation_counters(since=before) == ({
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
+  } if synced else {})
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+  torch.testing.assert_close(other.cpu(), torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize('front_end', FRONT_ENDS)
+def test_a_pending_reader_of_data_the_caller_set_keeps_its_buffer(
+    patched_bridge, front_end):
+  # A cache moved to the device with `to` holds its data in an IR node, which
+  # a pending value reads; `cache.cpu()` then makes the cache hold that data
+  # itself, with no IR left to show the read. The donating run must not take
+  # the buffer the pending value still reads.
+  cpu, served = layer_caches_front_end(front_end)
+  values = [torch.randn(32, 8) for _ in range(2)]
+  caches = [xla(value) for value in values]
+  pending = [cache * 2 for cache in caches]
+  for cache in caches:
+    cache.cpu()
+  expected = [value.clone() for value in values]
+  before = donation_counters()
+  with torch.no_grad():
+    served_step(cpu, served, caches, expected, 0)
+  for value, reader in zip(values, pending):
+    torch.testing.assert_close(reader.cpu(), value * 2)
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+  assert donation_counters(since=before) == {
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
+  }
+
+
 def copy_of(cache):
   return torch.zeros_like(cache).copy_(cache)
 
