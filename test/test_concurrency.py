@@ -265,9 +265,9 @@ def test_four_threads_decode_on_fresh_caches(patched_bridge):
   assert counter(bridge_counters.COUNTER_DONATION_READERS_SYNCED) == synced
   assert counter(bridge_counters.COUNTER_DONATION_COPIED_READ) == copied
   # The warm-up compiles without running, so the first steps take the full
-  # path until one of them has taught the fast path the bucket: at most one
-  # per thread.
-  assert served.calls.fast_calls - fast >= 40 - 4
+  # path until one of them has taught the fast path the bucket (a thread's
+  # steps may come while another's first call is still learning).
+  assert served.calls.fast_calls - fast >= 40 - 4 * 3
 
 
 # -- each guarantee on its own

@@ -108,12 +108,22 @@ def note_compile(future: Any) -> None:
 
 
 def holding_execution_lock(compiled: Callable[..., Any]) -> Callable[..., Any]:
-  """`compiled`, called under execution_lock (see [Note: Threads]); a boxed
-  function stays boxed."""
+  """`compiled` (torch's callable of an AOTAutograd graph, which compiles on
+  its first call and then calls the bridge), called under execution_lock
+  (see [Note: Threads]) until a call of it has returned: the bridge's
+  callable it calls from then on takes the lock itself, and lets it go for
+  a compile (see [Note: Compiles outside the lock] in signature_cache.py),
+  which an outer hold would prevent. A boxed function stays boxed."""
+  compiled_once = False
 
   def locked(*args):
-    with execution_lock:
+    nonlocal compiled_once
+    if compiled_once:
       return compiled(*args)
+    with execution_lock:
+      result = compiled(*args)
+      compiled_once = True
+      return result
 
   if getattr(compiled, '_boxed_call', False):
     locked._boxed_call = True
@@ -154,6 +164,30 @@ def sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
     pending = [t for t, flag in zip(tensors, flags) if flag]
     sync_alone(pending)
     for tensor in pending:
+      note_data(tensor, given=True)
+
+
+def sync_before_the_lock(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+  """Materializes, without execution_lock, those of a call's own inputs
+  (not parameters, which other threads read) that have pending IR; returns
+  them, for note_synced_inputs under the lock. A new signature's inputs
+  (fresh tensors of a new shape) take an XLA compile of their own, which
+  then keeps no other thread's call waiting (see [Note: Compiles outside
+  the lock] in signature_cache.py)."""
+  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  if True not in flags:
+    return []
+  pending = [t for t, flag in zip(tensors, flags) if flag]
+  sync_alone(pending)
+  return pending
+
+
+def note_synced_inputs(synced: Sequence[torch.Tensor]) -> None:
+  """Under execution_lock: counts and notes in the data ledger the inputs
+  sync_before_the_lock synced, as sync_pending_inputs would have."""
+  if synced:
+    increment_counter(COUNTER_SYNCED_INPUTS, 1)
+    for tensor in synced:
       note_data(tensor, given=True)
 
 
