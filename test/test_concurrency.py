@@ -21,6 +21,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
 
 import bench_concurrency  # pylint: disable=g-import-not-at-top
+import bench_decode  # pylint: disable=g-import-not-at-top
 
 WIDTH = 8
 
@@ -199,6 +200,74 @@ def test_torch_compile_calls_while_another_thread_compiles(patched_bridge):
   with torch.no_grad():
     for x, y in results:
       torch.testing.assert_close(y, cpu(x), atol=1e-4, rtol=1e-4)
+
+
+@needs_fast_path
+def test_four_threads_decode_on_fresh_caches(patched_bridge):
+  # Issue 33: each thread makes its own caches on the device and decodes
+  # through one served paged decode model. A donating run on caches the
+  # caller made synced every live tensor of the device, another thread's
+  # tensor on its way to the device included (`Check failed: tensor_data`,
+  # and caches that lost a step's update). The bridge computes such caches
+  # alone, into buffers of their own, and syncs nothing else (see [Note:
+  # Donating in-place updates] in donation.py).
+  device = torch_xla.device()
+  torch.manual_seed(0)
+  cpu = bench_decode.PagedDecoder().eval()
+  model = bench_decode.PagedDecoder().eval().to(device)
+  model.load_state_dict(cpu.state_dict())
+  shape = (bench_decode.cache_slots(1), 2 * bench_decode.D_MODEL)
+  served = bench_decode.serve_paged(model, shape)
+  plan = bench_decode.make_steps(shape[0], 10)
+  # One thread's steps run eagerly on the CPU: every thread's reference.
+  expected_caches = [torch.zeros(shape) for _ in range(bench_decode.LAYERS)]
+  expected = []
+  with torch.no_grad():
+    for step in plan:
+      arguments = {
+          name: value
+          for name, value in step.items()
+          if isinstance(value, torch.Tensor)
+      }
+      expected.append(
+          cpu(arguments.pop('tokens'), caches=expected_caches, **arguments))
+  barrier = threading.Barrier(4)
+
+  def decode():
+    barrier.wait()
+    caches = [torch.zeros(shape, device=device) for _ in expected_caches]
+    logits = []
+    for step in plan:
+      arguments = bench_decode.step_arguments(step, device)
+      with torch.no_grad():
+        logits.append(
+            served(arguments.pop('tokens'), caches=caches,
+                   **arguments).cpu()[:step['real']])
+    return logits, [cache.cpu() for cache in caches]
+
+  synced = counter(bridge_counters.COUNTER_DONATION_READERS_SYNCED)
+  copied = counter(bridge_counters.COUNTER_DONATION_COPIED_READ)
+  fast = served.calls.fast_calls
+  threads = [call_in_thread(decode, name=f'decode-{i}') for i in range(4)]
+  for thread, _ in threads:
+    thread.join()
+  for _, outcome in threads:
+    assert 'error' not in outcome, outcome
+    logits, caches = outcome['result']
+    for got, want, step in zip(logits, expected, plan):
+      torch.testing.assert_close(got, want[:step['real']], rtol=1e-4, atol=1e-4)
+    # Padding tokens all write the padding slot, in no fixed order.
+    real = torch.arange(shape[0]) != bench_decode.PAD_SLOT
+    for got, want in zip(caches, expected_caches):
+      torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
+  # Each thread's first step computed its caches and took them over as they
+  # were: no run synced the device's pending IR, and none copied a cache.
+  assert counter(bridge_counters.COUNTER_DONATION_READERS_SYNCED) == synced
+  assert counter(bridge_counters.COUNTER_DONATION_COPIED_READ) == copied
+  # The warm-up compiles without running, so the first steps take the full
+  # path until one of them has taught the fast path the bucket (a thread's
+  # steps may come while another's first call is still learning).
+  assert served.calls.fast_calls - fast >= 40 - 4 * 3
 
 
 # -- each guarantee on its own

@@ -101,20 +101,22 @@ def test_views_aliases_and_pending_readers_see_what_eager_sees(patched_bridge):
 
   synced_before = readers_synced()
   cache, expected = steps(compiled, rows=16, before_call=keep_readers)
-  view, alias, pending, before = seen[2]
+  view, alias, _, _ = seen[2]
   torch.testing.assert_close(view.cpu(), expected[:4])
   torch.testing.assert_close(alias.cpu(), expected)
-  # The pending value kept the buffer it read.
-  torch.testing.assert_close(pending.cpu(), before)
+  # Each pending value kept the buffer it read.
+  for _, _, pending, before in seen.values():
+    torch.testing.assert_close(pending.cpu(), before)
   # The readers made before the second and third calls were reads: each of
-  # those runs took a private copy. The first call traced the cache it was
-  # handed (synced by the trace) and synced the device's pending IR, which
-  # held the first readers, before its run.
+  # those runs took a private copy. Before the first call, `cache.cpu()`
+  # made the cache, moved to the device with `to`, hold its data without
+  # IR while the first pending value read it: data the caller set, which
+  # the first run copied too, syncing nothing but its own arguments.
   assert donation_counters() == {
       bridge_counters.COUNTER_DONATED: 1,
-      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 3
   }
-  assert readers_synced() - synced_before == 1
+  assert readers_synced() == synced_before
 
 
 def test_a_view_argument_is_copied_and_counted(patched_bridge):
@@ -351,16 +353,19 @@ def test_a_served_in_place_step_runs_its_bound_program(patched_bridge):
   }
 
 
-def serve_layer_caches():
+def serve_layer_caches(synced=False):
   cpu, model = cpu_and_xla(LayerCaches)
   served = torch_xla_patches.serve(model, [
       CallSpec(TensorSpec((4, 8)), TensorSpec(
           (4,), torch.long), [TensorSpec((32, 8))] * 2)
   ])
-  # Made on the device and synced: a tensor moved to the device with `to`
-  # holds its data in an IR node until a sync, which reads as a read.
+  # Made on the device (a tensor moved to the device with `to` holds its data
+  # in an IR node until a sync, which reads as a read). Left pending, the
+  # caches are computed by the first step's sync of its inputs, into buffers
+  # of their own; `synced`, they hold data the caller set.
   caches = [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)]
-  torch_xla.sync()
+  if synced:
+    torch_xla.sync()
   return cpu, served, caches, [torch.zeros(32, 8) for _ in range(2)]
 
 
@@ -394,18 +399,20 @@ def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
     patched_bridge):
   cpu, served, caches, expected = serve_layer_caches()
   served_at = donation_counters()
+  synced_before = readers_synced()
+  # The caller made the caches and left them pending: the first step computed
+  # them into buffers of their own and took those over.
+  served_step(cpu, served, caches, expected, 0)
   pointers = buffer_pointers(caches)
   # An alias shares the cache's storage and reads nothing until used.
   alias = caches[1].detach()
   # Past two drops of the caches' update logs (see [Note: Taking a result]).
   steps = 2 * bound_program.UPDATE_LOG_RUNS + 3
-  synced_before = readers_synced()
-  for seed in range(steps):
+  for seed in range(1, steps):
     served_step(cpu, served, caches, expected, seed)
-  # The caller made the caches, so the first step synced the device's
-  # pending IR before taking their buffers; every later step took buffers
-  # its previous run gave them, with no look at the rest of the device.
-  assert readers_synced() - synced_before == 1
+  # Every later step took the buffers its previous run gave them. No step
+  # looked at the rest of the device.
+  assert readers_synced() == synced_before
   assert buffer_pointers(caches) == pointers
   for cache, reference in zip(caches, expected):
     torch.testing.assert_close(cache.cpu(), reference)
@@ -415,6 +422,91 @@ def test_a_served_decode_loop_updates_its_caches_in_their_own_buffers(
   # The first step took the full path and taught the fast path the bucket
   # (serve()'s warm-up compiles without running: it learns nothing).
   assert served.calls.fast_calls == steps - 1
+
+
+def compiled_layer_caches():
+  """LayerCaches under torch.compile, its signature traced by a first call:
+  (cpu model, compiled model)."""
+  cpu, model = cpu_and_xla(LayerCaches)
+  compiled = torch.compile(model, backend='openxla', dynamic=True)
+  expected = [torch.zeros(32, 8) for _ in range(2)]
+  with torch.no_grad():
+    served_step(
+        cpu, compiled,
+        [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)],
+        expected, 99)
+  return cpu, compiled
+
+
+def layer_caches_front_end(front_end):
+  """(cpu model, LayerCaches served or compiled) ready to run a step."""
+  if front_end == 'serve':
+    cpu, served, _, _ = serve_layer_caches()
+    return cpu, served
+  return compiled_layer_caches()
+
+
+FRONT_ENDS = [
+    pytest.param('serve', marks=pytest.mark.requires('torch_aot_compile')),
+    'torch.compile'
+]
+
+
+@pytest.mark.parametrize('front_end', FRONT_ENDS)
+@pytest.mark.parametrize('synced', [False, True],
+                         ids=['made on the device', 'made and synced'])
+def test_a_donating_run_syncs_only_its_own_arguments(patched_bridge, synced,
+                                                     front_end):
+  # Issue 33: a donating run on caches the caller had just made synced every
+  # live tensor of the device, which races with other threads' tensors (see
+  # [Note: Threads] in execution.py). Another tensor with pending IR, made
+  # after the caches, stays pending through the call.
+  cpu, served = layer_caches_front_end(front_end)
+  caches = [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)]
+  if synced:
+    torch_xla.sync()
+  expected = [torch.zeros(32, 8) for _ in range(2)]
+  other = torch.ones(3, device=torch_xla.device()) * 2
+  before = donation_counters()
+  synced_before = readers_synced()
+  with torch.no_grad():
+    served_step(cpu, served, caches, expected, 0)
+  assert torch_xla._XLAC._check_tensor_need_materialization([other]) == [True]
+  assert readers_synced() == synced_before
+  # Caches left pending were computed into buffers of their own, taken over
+  # as they were; synced ones hold data the caller set, copied for the run.
+  assert donation_counters(since=before) == ({
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
+  } if synced else {})
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+  torch.testing.assert_close(other.cpu(), torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize('front_end', FRONT_ENDS)
+def test_a_pending_reader_of_data_the_caller_set_keeps_its_buffer(
+    patched_bridge, front_end):
+  # A cache moved to the device with `to` holds its data in an IR node, which
+  # a pending value reads; `cache.cpu()` then makes the cache hold that data
+  # itself, with no IR left to show the read. The donating run must not take
+  # the buffer the pending value still reads.
+  cpu, served = layer_caches_front_end(front_end)
+  values = [torch.randn(32, 8) for _ in range(2)]
+  caches = [xla(value) for value in values]
+  pending = [cache * 2 for cache in caches]
+  for cache in caches:
+    cache.cpu()
+  expected = [value.clone() for value in values]
+  before = donation_counters()
+  with torch.no_grad():
+    served_step(cpu, served, caches, expected, 0)
+  for value, reader in zip(values, pending):
+    torch.testing.assert_close(reader.cpu(), value * 2)
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+  assert donation_counters(since=before) == {
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
+  }
 
 
 def copy_of(cache):
@@ -473,7 +565,7 @@ def test_reads_before_a_call_that_traces_keep_their_buffer(
     patched_bridge, moved):
   # A new signature traces on the caller's caches: the sync before the trace
   # and the restore after it drop the IR a read left on a cache.
-  cpu, served, caches, expected = serve_layer_caches()
+  cpu, served, caches, expected = serve_layer_caches(synced=True)
   served_at = donation_counters()
   if moved == 'to':
     caches = [xla(torch.zeros(32, 8)) for _ in range(2)]

@@ -18,6 +18,7 @@ from hypothesis import given, strategies as st
 
 import torch_xla_patches
 from bridge_testing import FrameCounter, xla
+from torch_xla_patches import donation
 
 
 def reduce_broadcast(x):
@@ -86,6 +87,11 @@ _compiled: Dict[Tuple[str, int], CompiledFamily] = {}
 def patched_bridge():
   torch_xla_patches.apply()
   torch._dynamo.reset()
+  # The program that copies a 0-dim argument holding data the caller set for
+  # a donating run, compiled once per process: compiled before any count.
+  scalar = torch.zeros((), device=torch_xla.device())
+  torch_xla.sync()
+  donation.private_copy(scalar)
   # Distinct sizes that happen to be equal must not be tied together by
   # dynamo's duck sizing, or it would re-trace when they part.
   with fx_config.patch(use_duck_shape=False):
@@ -109,9 +115,11 @@ def run_and_check(compiled: CompiledFamily, shape: Tuple[int, ...]):
   cpu_args = compiled.family.make_args(shape)
   xla_args = [xla(a) for a in cpu_args]
   # Device data of their own: a tensor moved with `to` holds its data in an
-  # IR node, which a donating run copies first (one more small program per
-  # shape; see [Note: Donating in-place updates]). This property counts the
-  # graph's programs.
+  # IR node, which a donating run copies on the device (one more small
+  # program per shape; see [Note: Donating in-place updates]). Synced, a
+  # donated argument holds data the caller set, which a donating run copies
+  # through the host, but a 0-dim one (compiled by the fixture). This
+  # property counts the graph's programs.
   torch_xla.sync()
   got = compiled.compiled(*xla_args)
   expected = compiled.family.fn(*cpu_args)

@@ -360,10 +360,12 @@ print(json.dumps(dict(
 def test_a_sharded_decode_loop_donates_its_caches(native, front_end):
   """Caches sharded over 4 devices, written in place by a decode step under
   serve() or torch.compile: the results, the caches and what was read of
-  them between two steps equal eager's. A run's results come in an IR node
-  of their own under SPMD, which reads leave no trace on: each step syncs
-  the device's pending IR and donates, copying nothing (see [Note: Donating
-  in-place updates]); under torch.compile the graph keeps its updates
+  them between two steps equal eager's. The caller made the caches and
+  synced them (data the bridge cannot vouch for): the first step copies
+  them. A run's results come in an IR node of their own under SPMD, which
+  reads leave no trace on: each later step syncs the device's pending IR
+  and donates, copying nothing (see [Note: Donating in-place updates]);
+  under torch.compile the graph keeps its updates
   (torch_internals.InferenceUpdatesInGraph), so no `copy_` after the run
   copies the caches either."""
   if native == '1' and native_module.loaded() is None:
@@ -401,10 +403,14 @@ def test_a_sharded_decode_loop_donates_its_caches(native, front_end):
     # replicates them, a new signature for the second call.
     assert report['fast'] is None, report
     misses = 2
+  # The first run copies the two caches the caller set. A trace after the
+  # first step restores the caches it traced on: data the bridge cannot vouch
+  # for, copied by the run after it, which syncs nothing.
+  copied_runs = misses if front_end != 'serve' else 1
   assert report['counters'] == {
       bridge_counters.COUNTER_DONATION_COPIED: 0,
-      bridge_counters.COUNTER_DONATION_COPIED_READ: 0,
-      bridge_counters.COUNTER_DONATION_READERS_SYNCED: 8,
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2 * copied_runs,
+      bridge_counters.COUNTER_DONATION_READERS_SYNCED: 8 - copied_runs,
       bridge_counters.COUNTER_MISS: misses,
   }, report
   assert report['copies_pending'] == 0, report

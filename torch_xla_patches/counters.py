@@ -32,13 +32,14 @@ COUNTER_DONATION_FALLBACK = 'DynamoDonationSkippedFallback'
 # autograd), counted per traced signature, ...
 COUNTER_DONATION_EPILOGUE = 'DynamoDonationSkippedEpilogue'
 # ... and a call whose donated argument shares its data with another
-# argument, or was read since its data was set: that argument is copied for
-# the run (counted per call).
+# argument, or whose buffer something else may hold (it was read since its
+# data was set, or it holds data the caller set): that argument is copied
+# for the run (counted per call).
 COUNTER_DONATION_COPIED = 'DynamoDonationCopiedAlias'
 COUNTER_DONATION_COPIED_READ = 'DynamoDonationCopiedRead'
-# A donating run that synced the device's pending IR first: a donated
-# argument held data the caller set, which any pending computation may read
-# (counted per run; a decode loop's steps after the first do not).
+# A donating run that synced the device's pending IR first: under SPMD, a
+# donated argument held the data a run gave it, which reads leave no trace
+# on (counted per run).
 COUNTER_DONATION_READERS_SYNCED = 'DynamoDonationReadersSynced'
 # COUNTER_PRECOMPILED and COUNTER_PRECOMPILE_SKIPPED: see backlog.py.
 

@@ -14,8 +14,9 @@ from torch_xla_patches.counters import (
     COUNTER_DONATION_ALIAS, COUNTER_DONATION_COPIED,
     COUNTER_DONATION_COPIED_READ, COUNTER_DONATION_EPILOGUE,
     COUNTER_DONATION_READERS_SYNCED, COUNTER_DONATION_VIEW, increment_counter)
-from torch_xla_patches.execution import (device_name, holding_execution_lock,
-                                         sync_alone)
+from torch_xla_patches.execution import (KNOWN_DATA_LIMIT, data_id_of,
+                                         device_name, holding_execution_lock,
+                                         known_data, note_data, sync_alone)
 from torch_xla_patches.signature import ArgLayout
 
 # [Note: Donating in-place updates]
@@ -45,30 +46,44 @@ from torch_xla_patches.signature import ArgLayout
 #     nothing). Building on a tensor gives it an IR node of its device data,
 #     which it keeps until its data is set again, and a tensor's data id
 #     names that node while it has one. So at each donating call, a donated
-#     argument is, by what is known of its buffer:
-#       - given: it holds, without IR, the data a run gave it (take_result,
-#         noted by the tensor's unique id with its data id), so no one else
-#         holds that buffer: donated as is, with no look at the rest of the
-#         device. A decode loop runs so at every step. Under SPMD a run's
-#         results come with an IR node of their own (torch_xla's, for the
-#         sharding), which reads then build on without changing the data
-#         id: given data that has IR is unknown (below). There a read, copy_
+#     argument is, by what the data ledger (execution.py) knows of its
+#     buffer:
+#       - given: it holds, without IR, data no one else holds, noted by the
+#         tensor's unique id with its data id: the data a run gave it
+#         (take_result), or a buffer a sync of the bridge computed for it
+#         alone from its own pending IR (the sync of a run's inputs,
+#         execution.sync_pending_inputs, and of a trace's arguments,
+#         sync_alone_noting_reads; what read that pending IR reads the
+#         computation, not the buffer). Donated as is, with no look at the
+#         rest of the device: a decode loop runs so at every step, from the
+#         first on caches just made on the device (`torch.zeros(...,
+#         device=...)`, not synced).
+#       - given, with IR: under SPMD a run's results come with an IR node of
+#         their own (torch_xla's, for the sharding), which reads then build
+#         on without changing the data id, so a read leaves no trace. The
+#         device's pending IR is synced first (counted): there a read, copy_
 #         included, is pending IR until a sync computes it into a buffer of
-#         its own, so the sync below leaves no one else the buffer;
-#       - read: it has IR, or its data was noted as read before a sync
-#         dropped its IR (a tensor moved to the device with `to` holds its
-#         data in an IR node until a sync; the sync before a trace and the
-#         restore after it drop the IR of the arguments): replaced for the
-#         run by a private copy (counted), so that a reading one step costs
-#         one copy, and the buffer stays with whatever read it;
-#       - unknown (data the caller set: made on the device and synced,
-#         written in place and synced): the device's pending IR, which may
-#         read it, is synced first. An argument with pending IR of its own is
-#         computed first, into a buffer of its own.
-#     What stays unseen: a tensor that took another's data with `copy_` and
-#     was then synced holds that data without IR (torch_xla shares a device
-#     data node's data on a copy_ within the device); donated, it deletes
-#     the buffer the other still holds.
+#         its own, so the sync leaves no one else the buffer. It is the one
+#         sync of more than a run's own arguments (see [Note: Threads] in
+#         execution.py).
+#       - any other: replaced for the run by a private copy (counted), and
+#         the buffer stays with whatever may hold it. It has IR (it was read
+#         since its data was set); or its data was noted as read before a
+#         sync dropped its IR (a tensor moved to the device with `to` holds
+#         its data in an IR node until a sync; the sync before a trace and
+#         the restore after it drop the IR of the arguments); or the caller
+#         set its data where the bridge did not see it (made on the device
+#         and synced, written in place and synced). Such data may have
+#         pending readers with no trace on the argument (`cache * 2` built
+#         on a tensor moved with `to`, which `cache.cpu()` then made hold
+#         that data without IR), found only by looking at every live tensor
+#         of the device, which races with other threads' tensors (see [Note:
+#         Threads] in execution.py). So a read costs one copy, that step, and
+#         a cache the caller set one copy, at its first step.
+#     A tensor that took another's data with `copy_` and was then synced
+#     holds that data without IR (torch_xla shares a device data node's data
+#     on a copy_ within the device, and a sync of it computes nothing): data
+#     the caller set, copied.
 #   * The argument takes its updated data from the run's result
 #     (take_result) as functionalization's in-place ops do, which leaves it
 #     given.
@@ -78,11 +93,10 @@ from torch_xla_patches.signature import ArgLayout
 #     A graph that needs autograd leaves them to AOTAutograd's epilogue,
 #     which writes them with `copy_` after the run: those arguments are
 #     never donated (counted as COUNTER_DONATION_EPILOGUE). The `copy_`
-#     leaves an argument read at every call, so donating it would cost a
-#     sync of the device's pending IR before every run, and the XLA
-#     compiles of whatever that sync computes: a training step's forward
-#     would be slower than without donation, for buffers (BatchNorm's
-#     running statistics) a few values wide.
+#     leaves an argument holding data the bridge cannot vouch for at every
+#     call, so donating it would cost a private copy of it before every run:
+#     a training step's forward would be slower than without donation, for
+#     buffers (BatchNorm's running statistics) a few values wide.
 #   * A graph that marks its own donors (torch.ops.xla.dynamo_set_buffer_
 #     donor_, upstream's manual donation) is compiled as written.
 # A view or alias of a donated argument made by torch_xla (`cache[:16]`,
@@ -206,7 +220,8 @@ def clear_donor_mark(tensor: torch.Tensor) -> None:
 
 def _sync_pending_readers() -> None:
   """Syncs the pending IR of the device: it may read a buffer a run takes
-  over (see [Note: Donating in-place updates])."""
+  over whose reads leave no trace (a run's result under SPMD, see [Note:
+  Donating in-place updates])."""
   increment_counter(COUNTER_DONATION_READERS_SYNCED, 1)
   torch_xla._XLAC._xla_sync_live_tensors(device_name(), [], True)
 
@@ -224,28 +239,15 @@ def _was_read(data_id: str) -> bool:
   return ',' in data_id
 
 
-# What the bridge knows of the device data a lazy tensor holds without IR
-# (see [Note: Donating in-place updates]), by the tensor's unique id (never
-# reused, unlike a data id) -> (its data id then, whether given): given for
-# data a run gave a donated argument (take_result), which no one else can
-# hold; not given for data of a tensor that was read before a sync dropped
-# its IR (the sync before a trace, the restore after it), which a reader may
-# hold. Oldest first; bounded, as a tensor may be dropped without another
-# run. Guarded by execution_lock.
-_known_data: Dict[int, Tuple[str, bool]] = {}
-_KNOWN_DATA_LIMIT = 4096
-
-
-def note_data(tensor: torch.Tensor, given: bool) -> None:
-  key = torch_xla._XLAC._xla_get_tensor_id(tensor)
-  _known_data[key] = (data_id_of(tensor), given)
-  if len(_known_data) > _KNOWN_DATA_LIMIT:
-    del _known_data[next(iter(_known_data))]
+# The data ledger (execution.known_data), read and written here as
+# _known_data: see [Note: Donating in-place updates].
+_known_data = known_data
+_KNOWN_DATA_LIMIT = KNOWN_DATA_LIMIT
 
 
 def maybe_read(tensor: torch.Tensor) -> bool:
-  """Whether something may hold `tensor`'s buffer by having read it: it has
-  IR, or its data was noted as read (see _known_data)."""
+  """Whether something may hold `tensor`'s buffer: it has IR, its data was
+  noted as read, or the data ledger does not vouch for it (see given_data)."""
   return tensor.device.type == 'xla' and given_data(
       tensor, data_id_of(tensor), forget=False) is False
 
@@ -253,30 +255,32 @@ def maybe_read(tensor: torch.Tensor) -> bool:
 def given_data(tensor: torch.Tensor,
                data_id: str,
                forget: bool = True) -> Optional[bool]:
-  """True if `tensor` (whose data_id_of is `data_id`) holds data a run gave it
-  and nothing read since, False if its data may be read elsewhere, None if
-  unknown: data the caller set, or data a run gave that came in an IR node of
-  its own (under SPMD), which reads leave no trace on. Forgets the tensor's
-  entry unless told not to: the run about to take its buffer over
+  """True if `tensor` (whose data_id_of is `data_id`) holds data the ledger
+  notes as given (a run gave it, or a sync of the bridge computed it for the
+  tensor alone) and nothing read since; None if that data came in an IR node
+  of its own (a run's result under SPMD), which reads leave no trace on;
+  False otherwise: its buffer may be held elsewhere (it was read, or it holds
+  data the caller set, which the ledger does not vouch for). Forgets the
+  tensor's entry unless told not to: the run about to take its buffer over
   gives it new data."""
   key = torch_xla._XLAC._xla_get_tensor_id(tensor)
   known = _known_data.pop(key, None) if forget else _known_data.get(key)
-  if known is not None and known[0] == data_id:
-    if not known[1]:
-      return False
+  if known is not None and known[0] == data_id and known[1]:
     return None if _was_read(data_id) else True
-  return False if _was_read(data_id) else None
+  return False
 
 
 def read_donations(tensors: List[torch.Tensor], data_ids: Optional[List[str]],
                    copy_if_read: List[bool]) -> List[int]:
   """Readies the buffers a run is about to take over, of `tensors` (whose
   data_id are `data_ids`, or None to read them here) (see [Note: Donating
-  in-place updates]): the indices of those read since their data was set,
-  which the run takes a private copy of where `copy_if_read` says so. The
-  device's pending IR is synced first if any other holds data the caller
-  set, or was read where no copy is taken. The native module decides where
-  it is loaded; its decision is this loop's."""
+  in-place updates]): the indices of those whose buffer may be held
+  elsewhere (read since their data was set, or data the caller set), which
+  the run takes a private copy of where `copy_if_read` says so. The device's
+  pending IR is synced first if any other holds given data whose reads leave
+  no trace (a run's result under SPMD), or may be held elsewhere where no
+  copy is taken. The native module decides where it is loaded; its decision
+  is this loop's."""
   helpers = native.loaded()
   if helpers is not None:
     read, sync_readers = helpers.read_donations(tensors, data_ids, copy_if_read,
@@ -304,8 +308,9 @@ def private_copy(tensor: torch.Tensor) -> torch.Tensor:
   (it has IR) is copied on the device, as the program without donation
   would copy it at every call: a lazy clone reads the same device data
   until a sync computes it. Any other (data noted as read before a sync
-  dropped its IR, as for a tensor just moved with `to`; an alias of
-  another argument) goes through the host, which compiles nothing: XLA
+  dropped its IR, as for a tensor just moved with `to`; data the caller
+  set; an alias of another argument) goes through the host, which compiles
+  nothing: XLA
   compiles a clone per shape, more programs than the calls compile without
   donation. Under SPMD the copy stays on the device, sharded as the tensor
   is, and so does a 0-dim tensor."""
@@ -399,16 +404,19 @@ def take_results(tensors: List[torch.Tensor], results: List[torch.Tensor],
 
 
 def sync_alone_noting_reads(tensors: Sequence[torch.Tensor]) -> None:
-  """sync_alone, noting the data of a tensor read since its data was set
-  (see read_since_set) as read: the sync makes a tensor whose data sat in
-  an IR node (one just moved to the device, which something may have read)
-  hold that data itself, and drops the node."""
-  read = [t for t in tensors if read_since_set(t)]
+  """sync_alone, noting in the data ledger what the sync gave each tensor
+  (see [Note: Donating in-place updates]): a tensor with pending IR of its
+  own gets a buffer the sync computes for it alone, given; a tensor whose
+  data sat in an IR node (one just moved to the device, which something may
+  have read) holds that data itself and loses the node, read."""
+  flags = torch_xla._XLAC._check_tensor_need_materialization(list(tensors))
+  computed = [t for t, flag in zip(tensors, flags) if flag]
+  read = [
+      t for t, flag in zip(tensors, flags) if not flag and read_since_set(t)
+  ]
   sync_alone(tensors)
+  for tensor in computed:
+    note_data(tensor, given=True)
   for tensor in read:
     if not read_since_set(tensor):
       note_data(tensor, given=False)
-
-
-def data_id_of(tensor: torch.Tensor) -> str:
-  return torch_xla._XLAC._unique_id_for_ir_and_data(tensor)

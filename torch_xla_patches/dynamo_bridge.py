@@ -148,8 +148,13 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     raise refusal.__cause__ or refusal
 
   def optimized_mod(*args):
+    key = key_of(args)
+    synced = ()
+    if key not in cache.entries and not upstream_config.skip_input_data_check:
+      # A new signature: its own inputs are synced before the lock.
+      synced = execution.sync_before_the_lock(checked_tensors(args))
     with execution.execution_lock:
-      key = key_of(args)
+      execution.note_synced_inputs(synced)
       if execution.compiling_only():
         # See [Note: Compile-only calls] in execution.py.
         cache.compile_only(key, args)

@@ -8,7 +8,7 @@ evicted program), told apart by their message text, into RefusedBeforeRun.
 import contextlib
 import functools
 import threading
-from typing import Any, Callable, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch_xla
@@ -34,11 +34,14 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # sync of every live tensor (torch_xla.sync()) races with them (measured:
 # "Check failed: data()->tensor_data" reading the shape of a tensor another
 # thread had just moved to the device). So nothing here syncs the device
-# before a trace or drops pending IR it did not make: a trace materializes
-# its own arguments only, restores those it updated (pending_ir_restored),
-# and its outputs die with their references. A donating run of a
-# torch.compile graph still syncs the device's pending IR when an argument
-# it takes over was read (see [Note: Donating in-place updates] in donation.py).
+# before a trace or a run, or drops pending IR it did not make: a trace
+# materializes its own arguments only, restores those it updated
+# (pending_ir_restored), and its outputs die with their references; a run
+# syncs its own inputs (sync_pending_inputs), and a donating run copies an
+# argument whose buffer something else may hold rather than look for what
+# holds it (see [Note: Donating in-place updates] in donation.py). Only on a
+# mesh (SPMD), where reads of a run's results leave no trace on them, does a
+# donating run still sync the device's pending IR.
 execution_lock = threading.RLock()
 
 
@@ -105,12 +108,22 @@ def note_compile(future: Any) -> None:
 
 
 def holding_execution_lock(compiled: Callable[..., Any]) -> Callable[..., Any]:
-  """`compiled`, called under execution_lock (see [Note: Threads]); a boxed
-  function stays boxed."""
+  """`compiled` (torch's callable of an AOTAutograd graph, which compiles on
+  its first call and then calls the bridge), called under execution_lock
+  (see [Note: Threads]) until a call of it has returned: the bridge's
+  callable it calls from then on takes the lock itself, and lets it go for
+  a compile (see [Note: Compiles outside the lock] in signature_cache.py),
+  which an outer hold would prevent. A boxed function stays boxed."""
+  compiled_once = False
 
   def locked(*args):
-    with execution_lock:
+    nonlocal compiled_once
+    if compiled_once:
       return compiled(*args)
+    with execution_lock:
+      result = compiled(*args)
+      compiled_once = True
+      return result
 
   if getattr(compiled, '_boxed_call', False):
     locked._boxed_call = True
@@ -142,11 +155,40 @@ def refused_for_pending_ir(refusal: RefusedBeforeRun) -> bool:
 
 
 def sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
-  """Materializes the tensors that have pending IR, blocking; counted."""
+  """Materializes the tensors that have pending IR, blocking; counted. Each
+  of them then holds a buffer the sync computed for it alone, which nothing
+  else holds: noted as given in the data ledger (see note_data)."""
   flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
   if True in flags:
     increment_counter(COUNTER_SYNCED_INPUTS, 1)
-    sync_alone([t for t, flag in zip(tensors, flags) if flag])
+    pending = [t for t, flag in zip(tensors, flags) if flag]
+    sync_alone(pending)
+    for tensor in pending:
+      note_data(tensor, given=True)
+
+
+def sync_before_the_lock(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+  """Materializes, without execution_lock, those of a call's own inputs
+  (not parameters, which other threads read) that have pending IR; returns
+  them, for note_synced_inputs under the lock. A new signature's inputs
+  (fresh tensors of a new shape) take an XLA compile of their own, which
+  then keeps no other thread's call waiting (see [Note: Compiles outside
+  the lock] in signature_cache.py)."""
+  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  if True not in flags:
+    return []
+  pending = [t for t, flag in zip(tensors, flags) if flag]
+  sync_alone(pending)
+  return pending
+
+
+def note_synced_inputs(synced: Sequence[torch.Tensor]) -> None:
+  """Under execution_lock: counts and notes in the data ledger the inputs
+  sync_before_the_lock synced, as sync_pending_inputs would have."""
+  if synced:
+    increment_counter(COUNTER_SYNCED_INPUTS, 1)
+    for tensor in synced:
+      note_data(tensor, given=True)
 
 
 def sync_alone(tensors: Sequence[torch.Tensor]) -> None:
@@ -159,6 +201,35 @@ def sync_alone(tensors: Sequence[torch.Tensor]) -> None:
                                     devices=[],
                                     wait=True,
                                     sync_xla_data=True)
+
+
+# The data ledger: what the bridge knows of the device data a lazy tensor
+# holds without IR (see [Note: Donating in-place updates] in donation.py, which
+# reads it), by the tensor's unique id (never reused, unlike a data id) -> (its
+# data id then, whether given). Given: data that no one else holds, as a run
+# gave it to a donated argument (donation.take_result) or a sync computed it
+# for the tensor alone from the tensor's own pending IR (sync_pending_inputs,
+# donation.sync_alone_noting_reads). Not given: data of a tensor that was read
+# before a sync dropped its IR (the sync before a trace, the restore after
+# it), which a reader may hold. Oldest first; bounded, as a tensor may be
+# dropped without another run. Kept here, below donation.py, so that the syncs
+# of a run's inputs note what they compute. Guarded by execution_lock.
+known_data: Dict[int, Tuple[str, bool]] = {}
+KNOWN_DATA_LIMIT = 4096
+
+
+def note_data(tensor: torch.Tensor, given: bool) -> None:
+  """Notes `tensor`'s current data in the data ledger, given or not."""
+  key = torch_xla._XLAC._xla_get_tensor_id(tensor)
+  known_data[key] = (data_id_of(tensor), given)
+  if len(known_data) > KNOWN_DATA_LIMIT:
+    del known_data[next(iter(known_data))]
+
+
+def data_id_of(tensor: torch.Tensor) -> str:
+  """torch_xla's name of `tensor`'s IR node and output index while it has
+  one ("<node>, <index>"), else of its device data."""
+  return torch_xla._XLAC._unique_id_for_ir_and_data(tensor)
 
 
 @functools.lru_cache(maxsize=None)

@@ -146,8 +146,10 @@ class XlaSerializableCallable(SerializableCallable):
   # -- running
 
   def __call__(self, *args):
-    # The first call compiles; every call runs under the bridge's lock (see
-    # [Note: Threads]).
+    # The first call compiles under the bridge's lock (see [Note: Threads]),
+    # so no other thread compiles the graph again; the bridge's callable
+    # takes the lock itself, and lets it go for a compile (see [Note:
+    # Compiles outside the lock]).
     with execution.execution_lock:
       if self._compiled is None:
         self._compile_first(list(args))
@@ -156,7 +158,8 @@ class XlaSerializableCallable(SerializableCallable):
         key = cache.key_of(args)
         if key not in self._seen:
           self._seen[key] = record.make_record(cache.layout, args)
-      out = self._compiled(*args)
+      compiled = self._compiled
+    out = compiled(*args)
     # The bridge unwraps a single output (upstream's convention); dynamo's
     # bytecode indexes the graph's output tuple.
     if self._single_output and not isinstance(out, (tuple, list)):

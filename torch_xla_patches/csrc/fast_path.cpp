@@ -338,7 +338,8 @@ int was_read(PyObject* data_id) {
 }
 
 // read_donations(tensors, data_ids | None, copy_if_read, ledger)
-//   -> (indices read and to copy, whether to sync the device's readers)
+//   -> (indices that may be held elsewhere and to copy, whether to sync the
+//       device's readers)
 // donation.read_donations' decision; the ledger's entries of the
 // tensors are forgotten.
 PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
@@ -385,9 +386,10 @@ PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
       PyErr_SetString(PyExc_TypeError, "read_donations: a data id is a str");
       return nullptr;
     }
-    // -1 unknown, 0 read, 1 given.
+    // 1 given, -1 given but reads leave no trace on it, 0 may be held
+    // elsewhere (read, or data the ledger does not vouch for).
     bool has_ir = was_read(data_id);
-    int given = has_ir ? 0 : -1;
+    int given = 0;
     PyObject* id = PyObject_CallOneArg(tensor_id_fn, tensor);
     if (id == nullptr) {
       Py_DECREF(data_id);
@@ -418,8 +420,8 @@ PyObject* read_donations(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
         return nullptr;
       }
       if (same) {
-        // Given data that came in an IR node of its own (SPMD) is unknown:
-        // reads leave no trace on it.
+        // Given data that came in an IR node of its own (SPMD): reads leave
+        // no trace on it.
         given = !PyObject_IsTrue(PyTuple_GET_ITEM(known, 1)) ? 0
                 : has_ir                                     ? -1
                                                              : 1;
