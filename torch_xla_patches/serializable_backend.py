@@ -126,6 +126,9 @@ class XlaSerializableCallable(SerializableCallable):
     self._graph_bytes = graph_bytes
     self._graph_module = (graph_module if graph_module is not None else
                           _unpickle_graph(graph_bytes))
+    # Passed after the call's arguments (see [Note: Tensor attributes of a
+    # captured graph]).
+    self._lifted = lift_tensor_attributes(self._graph_module)
     self._single_output = _returns_one_value(self._graph_module)
     # From an artifact: queued on the first call, and saved again whether or
     # not they were compiled here.
@@ -137,6 +140,7 @@ class XlaSerializableCallable(SerializableCallable):
     # Per thread: the list observed_calls appends each call of that thread
     # to, while observed.
     self._observed = threading.local()
+    self._in_background = False
 
   def name_source(self, source: str) -> None:
     """Names the file the loaded signatures came from, for messages."""
@@ -152,14 +156,15 @@ class XlaSerializableCallable(SerializableCallable):
     # Compiles outside the lock]).
     with execution.execution_lock:
       if self._compiled is None:
-        self._compile_first(list(args))
+        self._compile_first(list(args) + self._lifted)
       cache = self._cache
       if cache is not None:
-        key = cache.key_of(args)
+        every_arg = args + tuple(self._lifted)
+        key = cache.key_of(every_arg)
         if key not in self._seen:
-          self._seen[key] = record.make_record(cache.layout, args)
+          self._seen[key] = record.make_record(cache.layout, every_arg)
       compiled = self._compiled
-    out = compiled(*args)
+    out = compiled(*args, *self._lifted)
     # The bridge unwraps a single output (upstream's convention); dynamo's
     # bytecode indexes the graph's output tuple.
     if self._single_output and not isinstance(out, (tuple, list)):
@@ -182,16 +187,32 @@ class XlaSerializableCallable(SerializableCallable):
 
   @property
   def signature_cache(self) -> Optional[signature_cache.SignatureCache]:
-    """The bridge's cache of the graph; None before the first call, or when
-    the bridge partitioned the graph around CPU fallback ops."""
-    return self._cache
+    """The bridge's cache of the graph; None before the first call, when
+    the bridge partitioned the graph around CPU fallback ops, or when the
+    graph takes lifted tensor attributes after the call's arguments (a
+    program bound to the call's arguments alone would miss them)."""
+    return None if self._lifted else self._cache
 
   def placeholder_values(self, num_args: int) -> List[Any]:
     """The fake value dynamo recorded for each of the graph's `num_args`
     arguments (all None if the graph has another number)."""
     return signature.placeholder_values(self._graph_module, num_args)
 
+  def compile_in_background(self) -> None:
+    """From now on, the first call compiles the graph's first signature and
+    its recorded ones (index and artifact) on the compile pool, traced
+    without running, and waits for its own only (serve() ready at once, see
+    [Note: Ready at once] in serving.py)."""
+    self._in_background = True
+
   def _compile_first(self, args: List[Any]) -> None:
+    if self._in_background and not execution.compiling_only():
+      with execution.compile_only():
+        self._extract_and_queue(args)
+    else:
+      self._extract_and_queue(args)
+
+  def _extract_and_queue(self, args: List[Any]) -> None:
     self._compiled = dynamo_bridge.extract_compiled_graph(
         self._graph_module, args)
     cache = getattr(self._compiled, 'signature_cache', None)
@@ -293,6 +314,52 @@ def deserialize_aot(data: bytes):
     state['closure'] = tuple(types.CellType(v) for v in state['closure'])
   # AOTCompiledFunction rebuilds torch's guards from guards_state here.
   return AOTCompiledFunction(CompileArtifacts(**state))
+
+
+def lift_tensor_attributes(
+    graph_module: torch.fx.GraphModule) -> List[torch.Tensor]:
+  """Turns the graph's XLA tensor attributes into inputs after its other
+  placeholders; returns the tensors, in that order.
+
+  [Note: Tensor attributes of a captured graph]
+  dynamo's capture without AOTAutograd makes a tensor the forward reaches
+  through a plain object (a transformers StaticCache's keys and values, held
+  by the module) an attribute of the graph module (get_attr), the same
+  tensor object, not an input. The bridge keeps a graph's constants as they
+  were at its trace, and an update in place of one would be neither written
+  back nor seen by the next call. Lifted to inputs, appended by the callable
+  to every call's arguments, they are what the forward updates: read afresh
+  on every call, written back (donated) like any updated argument, and
+  restored after a trace.
+  """
+  graph = graph_module.graph
+  placeholders = [node for node in graph.nodes if node.op == 'placeholder']
+  last = placeholders[-1] if placeholders else None
+  lifted = []
+  for node in list(graph.nodes):
+    if node.op != 'get_attr':
+      continue
+    value = graph_module
+    for part in node.target.split('.'):
+      value = getattr(value, part, None)
+    if not (isinstance(value, torch.Tensor) and
+            not isinstance(value, torch.nn.Parameter) and
+            value.device.type == 'xla'):
+      continue
+    if last is None:
+      with graph.inserting_before(next(iter(graph.nodes))):
+        placeholder = graph.placeholder(f'lifted_{node.name}')
+    else:
+      with graph.inserting_after(last):
+        placeholder = graph.placeholder(f'lifted_{node.name}')
+    placeholder.meta.update(node.meta)
+    node.replace_all_uses_with(placeholder)
+    graph.erase_node(node)
+    last = placeholder
+    lifted.append(value)
+  if lifted:
+    graph_module.recompile()
+  return lifted
 
 
 def _returns_one_value(graph_module: torch.fx.GraphModule) -> bool:

@@ -291,6 +291,10 @@ def serve(model: torch.nn.Module,
                        model,
                        path,
                        loaded=loaded.compiled is not None)
+  if not wait:
+    # Whichever call comes first, the warm-up's or a request's, the
+    # recorded signatures compile in the background.
+    compiled.backend_callable.compile_in_background()
   save = None
   if path is not None and not served.loaded:
     # After the buckets: the artifact keeps the signatures they compiled.
