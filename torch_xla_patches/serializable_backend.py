@@ -16,7 +16,9 @@ such a callable into the artifact's payload and back.
 import contextlib
 import dataclasses
 import io
+import logging
 import pickle
+import re
 import threading
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -29,6 +31,8 @@ from torch_xla_patches import record
 from torch_xla_patches import signature
 from torch_xla_patches import torch_internals
 from torch_xla_patches.artifact import ArtifactCorruptError
+
+logger = logging.getLogger('torch_xla_patches.serialization')
 
 BACKEND_NAME = 'openxla_serializable'
 # Version of the state serialize_compile_artifacts writes.
@@ -128,7 +132,8 @@ class XlaSerializableCallable(SerializableCallable):
                           _unpickle_graph(graph_bytes))
     # Passed after the call's arguments (see [Note: Tensor attributes of a
     # captured graph]).
-    self._lifted = lift_tensor_attributes(self._graph_module)
+    self._lifted_names, self._lifted = lift_tensor_attributes(
+        self._graph_module)
     self._single_output = _returns_one_value(self._graph_module)
     # From an artifact: queued on the first call, and saved again whether or
     # not they were compiled here.
@@ -197,6 +202,31 @@ class XlaSerializableCallable(SerializableCallable):
     """The fake value dynamo recorded for each of the graph's `num_args`
     arguments (all None if the graph has another number)."""
     return signature.placeholder_values(self._graph_module, num_args)
+
+  def rebind_lifted(self, model: Any) -> int:
+    """After a load: the lifted tensor attributes are the loaded model's own
+    (see [Note: Tensor attributes of a captured graph]) where its tensor at
+    the same path has the same dtype and shape; returns how many are not
+    (they stay the artifact's copies, said in one log line)."""
+    if not self._lifted:
+      return 0
+    live = tensors_by_path(model)
+    missing = []
+    for index, (name, tensor) in enumerate(zip(self._lifted_names,
+                                               self._lifted)):
+      found = live.get(_path_key(name))
+      if (found is not None and found.dtype == tensor.dtype and
+          found.shape == tensor.shape and found.device == tensor.device):
+        self._lifted[index] = found
+      else:
+        missing.append(name)
+    if missing:
+      logger.warning(
+          'torch_xla_patches: the loaded graph reads %s, which %s does not '
+          'hold where the capture found them; it keeps the copies saved with '
+          'the artifact', ', '.join(missing),
+          type(model).__name__)
+    return len(missing)
 
   def compile_in_background(self) -> None:
     """From now on, the first call compiles the graph's first signature and
@@ -317,9 +347,10 @@ def deserialize_aot(data: bytes):
 
 
 def lift_tensor_attributes(
-    graph_module: torch.fx.GraphModule) -> List[torch.Tensor]:
+    graph_module: torch.fx.GraphModule) -> Tuple[List[str], List[torch.Tensor]]:
   """Turns the graph's XLA tensor attributes into inputs after its other
-  placeholders; returns the tensors, in that order.
+  placeholders; returns their attribute names and the tensors, in that
+  order.
 
   [Note: Tensor attributes of a captured graph]
   dynamo's capture without AOTAutograd makes a tensor the forward reaches
@@ -330,12 +361,14 @@ def lift_tensor_attributes(
   back nor seen by the next call. Lifted to inputs, appended by the callable
   to every call's arguments, they are what the forward updates: read afresh
   on every call, written back (donated) like any updated argument, and
-  restored after a trace.
+  restored after a trace. A graph loaded from an artifact holds copies of
+  them, pickled with it: rebind_lifted puts the loaded model's own tensors
+  in their place, found by the path dynamo named the attribute after.
   """
   graph = graph_module.graph
   placeholders = [node for node in graph.nodes if node.op == 'placeholder']
   last = placeholders[-1] if placeholders else None
-  lifted = []
+  names, lifted = [], []
   for node in list(graph.nodes):
     if node.op != 'get_attr':
       continue
@@ -356,10 +389,53 @@ def lift_tensor_attributes(
     node.replace_all_uses_with(placeholder)
     graph.erase_node(node)
     last = placeholder
+    names.append(node.target)
     lifted.append(value)
   if lifted:
     graph_module.recompile()
-  return lifted
+  return names, lifted
+
+
+def _path_key(path: str) -> str:
+  """A path as dynamo's attribute names keep it: letters and digits."""
+  return re.sub(r'[^0-9A-Za-z]', '', path)
+
+
+def tensors_by_path(model: Any, max_depth: int = 8) -> Dict[str, torch.Tensor]:
+  """The tensors reachable from `model` through attributes, lists, tuples
+  and dicts, by _path_key of their source (L['module'].a.b[0].c); a key
+  two tensors share is left out."""
+  found: Dict[str, Optional[torch.Tensor]] = {}
+  seen = set()
+
+  def walk(value: Any, path: str, depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+      key = _path_key(path)
+      found[key] = value if key not in found else None
+      return
+    if depth == max_depth or id(value) in seen:
+      return
+    seen.add(id(value))
+    if isinstance(value, torch.nn.Module):
+      for name, child in value.named_children():
+        walk(child, f'{path}.{name}', depth + 1)
+      for name, tensor in value.named_buffers(recurse=False):
+        walk(tensor, f'{path}.{name}', depth + 1)
+    if isinstance(value, (list, tuple)):
+      for index, item in enumerate(value):
+        walk(item, f'{path}[{index}]', depth + 1)
+    elif isinstance(value, dict):
+      for key, item in value.items():
+        if isinstance(key, str):
+          walk(item, f'{path}[{key!r}]', depth + 1)
+    if (hasattr(value, '__dict__') and not isinstance(value, type) and
+        not isinstance(value, (list, tuple, dict))):
+      for name, item in vars(value).items():
+        if not name.startswith('_'):
+          walk(item, f'{path}.{name}', depth + 1)
+
+  walk(model, "L['module']", 0)
+  return {key: tensor for key, tensor in found.items() if tensor is not None}
 
 
 def _returns_one_value(graph_module: torch.fx.GraphModule) -> bool:

@@ -41,6 +41,7 @@ import torch
 from torch_xla_patches import artifact
 from torch_xla_patches import call_spec
 from torch_xla_patches import config
+from torch_xla_patches import execution
 from torch_xla_patches import io_utils
 from torch_xla_patches import record
 from torch_xla_patches import serializable_backend
@@ -345,6 +346,7 @@ def load(path: str,
   compiled = CompiledModel(aot_fn, model, header.module_call,
                            header.example_args)
   compiled.backend_callable.name_source(os.fspath(path))
+  compiled.backend_callable.rebind_lifted(model)
   if precompile and header.example_args is not None:
     _warm_up(compiled, header.example_args, os.fspath(path))
   return compiled
@@ -381,8 +383,16 @@ def _warm_up(compiled: CompiledModel, example_args: Any, path: str) -> None:
         '(%s); the first call compiles instead.', path, e)
     return
   try:
-    compiled(*args)
-    torch_xla.sync()
+    # Compiles without running (see [Note: Compile-only calls]); returns
+    # once those compiles are done.
+    with execution.compile_only() as compiles:
+      try:
+        compiled(*args)
+      except execution.CompiledNotRun:
+        pass
+    for future in compiles:
+      if not future.cancelled():
+        future.result()
   except Exception as e:  # pylint: disable=broad-except
     # Not a damaged file (checked above, and recorded signatures are checked
     # as they replay): a failure of the warm-up itself, see
