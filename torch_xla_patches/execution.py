@@ -24,11 +24,14 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # not on its own: the first compile of a graph (upstream's
 # xla_backend_helper compiles on the first call and then deletes the graph),
 # the signature cache and its LRU order, the backlog, the usage log. So every
-# call of a compiled graph, from its key to its outputs (look-up, trace,
-# compile, run, usage, backlog), and every precompile hold one process-wide
-# reentrant lock, `execution_lock`: one device runs one program at a time
-# anyway, and the host work under the lock is that of a single-threaded
-# call. The lock is never taken while dynamo traces (nothing here runs under
+# call of a compiled graph, from its key to its outputs (look-up, trace, run,
+# usage, backlog), and every warm-up trace hold one process-wide reentrant
+# lock, `execution_lock`: one device runs one program at a time anyway, and
+# the host work under the lock is that of a single-threaded call. The XLA
+# compile of a new signature lets it go where it can (see [Note: Compiles
+# outside the lock] in signature_cache.py), and so does the sync of a new
+# signature's own inputs (sync_before_the_lock), so that calls of compiled
+# programs go on meanwhile. The lock is never taken while dynamo traces (nothing here runs under
 # dynamo's compile lock), so the two cannot deadlock. Other threads build
 # lazy IR without the lock (a request's inputs) at any time, and torch_xla's
 # sync of every live tensor (torch_xla.sync()) races with them (measured:
