@@ -33,9 +33,8 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # signature's own inputs (sync_before_the_lock), so that calls of compiled
 # programs go on meanwhile. The lock is never taken while dynamo traces
 # (nothing here runs under dynamo's compile lock), so the two cannot
-# deadlock. Other threads build
-# lazy IR without the lock (a request's inputs) at any time, and torch_xla's
-# sync of every live tensor (torch_xla.sync()) races with them (measured:
+# deadlock. Other threads build lazy IR without the lock (a request's
+# inputs) at any time, and torch_xla's sync of every live tensor (torch_xla.sync()) races with them (measured:
 # "Check failed: data()->tensor_data" reading the shape of a tensor another
 # thread had just moved to the device). So nothing here syncs the device
 # before a trace or a run, or drops pending IR it did not make: a trace
