@@ -34,9 +34,10 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # programs go on meanwhile. The lock is never taken while dynamo traces
 # (nothing here runs under dynamo's compile lock), so the two cannot
 # deadlock. Other threads build lazy IR without the lock (a request's
-# inputs) at any time, and torch_xla's sync of every live tensor (torch_xla.sync()) races with them (measured:
-# "Check failed: data()->tensor_data" reading the shape of a tensor another
-# thread had just moved to the device). So nothing here syncs the device
+# inputs) at any time, and torch_xla's sync of every live tensor
+# (torch_xla.sync()) races with them (measured: "Check failed:
+# data()->tensor_data" reading the shape of a tensor another thread had just
+# moved to the device). So nothing here syncs the device
 # before a trace or a run, or drops pending IR it did not make: a trace
 # materializes its own arguments only, restores those it updated
 # (pending_ir_restored), and its outputs die with their references; a run
