@@ -16,28 +16,19 @@ import torch_xla.debug.metrics as met
 import torch_xla_patches
 from torch_xla_patches import TensorSpec, compile_window, signature_cache
 from bridge_testing import REPO_ROOT, counters
+from served_modules import TwoLinear
 
 pytestmark = pytest.mark.usefixtures('patched_bridge')
 
 ROWS = (2, 3, 4, 5)
-BUCKETS = [(TensorSpec((rows, 8)),) for rows in ROWS]
-
-
-class Mlp(torch.nn.Module):
-
-  def __init__(self):
-    super().__init__()
-    self.first = torch.nn.Linear(8, 16)
-    self.second = torch.nn.Linear(16, 8)
-
-  def forward(self, x):
-    return self.second(torch.tanh(self.first(x))) * 0.5
+FEATURES = 16
+BUCKETS = [(TensorSpec((rows, FEATURES)),) for rows in ROWS]
 
 
 def models():
   torch.manual_seed(0)
-  cpu = Mlp().eval()
-  model = Mlp().eval()
+  cpu = TwoLinear().eval()
+  model = TwoLinear().eval()
   model.load_state_dict(cpu.state_dict())
   return cpu, model.to(torch_xla.device())
 
@@ -78,13 +69,12 @@ def slow_compiles(monkeypatch):
 
 
 def check(served, cpu, rows):
-  x = torch.randn(rows, 8)
+  """One call of `rows` rows: the served result is eager's."""
+  x = torch.randn(rows, FEATURES)
   with torch.no_grad():
     expected = cpu(x)
-  torch.testing.assert_close(served(x.to(torch_xla.device())).cpu(),
-                             expected,
-                             rtol=1e-5,
-                             atol=1e-5)
+  got = served(x.to(torch_xla.device())).cpu()
+  torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_serve_returns_before_its_buckets_are_compiled(slow_compiles):
@@ -155,7 +145,7 @@ def test_a_compile_that_raises_reaches_its_bucket_only(slow_compiles):
       break
     time.sleep(0.01)
   with pytest.raises(signature_cache.CompileFailed,
-                     match=r'signature .*\[4, 8\].* no memory left for 4 rows'):
+                     match=r'signature .*\[4, 16\].* no memory left for 4 rows'):
     check(served, cpu, 4)
   assert not served.wait_ready(timeout=60)
   readiness = served.readiness()
