@@ -20,6 +20,13 @@ from served_modules import TwoLinear
 
 pytestmark = pytest.mark.usefixtures('patched_bridge')
 
+# One compile per bucket however many threads ask, and the failure of one
+# bucket's compile seen by its calls, hold for serve()'s capture (torch
+# 2.9's aot_compile). On torch 2.8 serve() goes through torch.compile, whose
+# first calls from several threads make dynamo compile the frame more than
+# once, each compile with its own graph and programs.
+needs_capture = pytest.mark.requires('torch_aot_compile')
+
 ROWS = (2, 3, 4, 5)
 FEATURES = 16
 BUCKETS = [(TensorSpec((rows, FEATURES)),) for rows in ROWS]
@@ -97,6 +104,7 @@ def test_serve_returns_before_its_buckets_are_compiled(slow_compiles):
   assert counters()['DynamoSignatureMiss'] == 0
 
 
+@needs_capture
 def test_a_call_of_a_bucket_not_ready_waits_for_its_one_compile(slow_compiles):
   slow = slow_compiles(seconds=0.3)
   cpu, model = models()
@@ -107,6 +115,7 @@ def test_a_call_of_a_bucket_not_ready_waits_for_its_one_compile(slow_compiles):
   assert sorted(slow.rows) == list(ROWS)
 
 
+@needs_capture
 def test_eight_threads_ask_for_one_bucket_not_ready(slow_compiles):
   slow = slow_compiles(seconds=0.5)
   cpu, model = models()
@@ -132,6 +141,7 @@ def test_eight_threads_ask_for_one_bucket_not_ready(slow_compiles):
   assert sorted(slow.rows) == list(ROWS)
 
 
+@needs_capture
 def test_a_compile_that_raises_reaches_its_bucket_only(slow_compiles):
   slow = slow_compiles(seconds=0.5, fail_rows=4)
   cpu, model = models()
@@ -144,8 +154,9 @@ def test_a_compile_that_raises_reaches_its_bucket_only(slow_compiles):
     if cache is not None and len(cache.entries) + len(cache.compiling) == 4:
       break
     time.sleep(0.01)
-  with pytest.raises(signature_cache.CompileFailed,
-                     match=r'signature .*\[4, 16\].* no memory left for 4 rows'):
+  with pytest.raises(
+      signature_cache.CompileFailed,
+      match=r'signature .*\[4, 16\].* no memory left for 4 rows'):
     check(served, cpu, 4)
   assert not served.wait_ready(timeout=60)
   readiness = served.readiness()

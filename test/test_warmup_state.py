@@ -8,7 +8,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_patches
-from torch_xla_patches import CallSpec, TensorSpec, warmup
+from torch_xla_patches import CallSpec, TensorSpec, versions, warmup
 from torch_xla_patches import counters as bridge_counters
 
 pytestmark = pytest.mark.usefixtures('patched_bridge')
@@ -101,7 +101,7 @@ def test_precompile_leaves_the_state_as_it_was(grad):
   assert_same_state(state_of(cpu), state_of(module))
 
 
-def test_a_restart_from_an_artifact_leaves_the_state_as_it_was(tmp_path):
+def test_a_restart_leaves_the_state_as_it_was(tmp_path):
   cpu, module = step_pair()
   first = torch_xla_patches.serve(module,
                                   BUCKETS,
@@ -113,7 +113,8 @@ def test_a_restart_from_an_artifact_leaves_the_state_as_it_was(tmp_path):
                                   BUCKETS,
                                   cache_dir=tmp_path,
                                   wait=True)
-  assert again.loaded
+  # torch 2.8 has no artifact: the restart replays the signature index.
+  assert again.loaded == versions.has_torch_aot_compile()
   assert_same_state(before, state_of(module))
   answers_as_eager(cpu, again)
   assert_same_state(state_of(cpu), state_of(module))
