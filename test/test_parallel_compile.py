@@ -1,7 +1,7 @@
 """Parallel compiles (config.compile_workers, see [Note: Parallel compiles]
-and [Note: Parallel precompile] in compile_window.py): a replay of recorded
+and [Note: The compile pool] in compile_window.py): a replay of recorded
 signatures, or a precompile(), with 2 workers gives the programs, results,
-counters and errors of the serial one."""
+counters and errors of the one with 1."""
 import os
 import shutil
 import threading

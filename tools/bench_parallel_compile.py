@@ -12,8 +12,9 @@ tool times the compile of the other --signatures:
                the index (traced on the calling thread, compiled on the
                workers; see [Note: Parallel compiles] in
                torch_xla_patches/compile_window.py);
-  precompile   precompile() of their sizes, without an index (see [Note:
-               Parallel precompile]).
+  precompile   precompile() of their sizes, without an index (traced on the
+               calling thread, compiled on the compile pool; see [Note:
+               The compile pool]).
 Every size is then served, checked against eager CPU, and must not compile.
 Side by side in one run, one row per process:
   wall s             wall time of the drain or precompile()

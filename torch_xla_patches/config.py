@@ -289,12 +289,12 @@ def default_compile_workers() -> int:
   return max(1, min(8, cores // 2))
 
 
-# XLA compiles that may run at once when recorded signatures are replayed
-# (index or artifact) and when precompile() or serve() compiles its buckets
-# (see [Note: Parallel compiles] and [Note: Parallel precompile] in
-# compile_window.py): the calling thread traces each signature, worker threads
-# compile. 1: everything on the calling thread, one after another, as before
-# the flag. The default is default_compile_workers() (1 on 2 cores).
+# XLA compiles that may run at once: the compile pool's workers, which
+# compile the signatures of warm-ups (precompile(), serve()'s buckets, a
+# restart's first call; see [Note: The compile pool] in compile_window.py),
+# and the workers of a backlog drain (see [Note: Parallel compiles]); the
+# calling thread traces each signature. At least one. The default is
+# default_compile_workers() (1 on 2 cores).
 compile_workers = _flag('compile_workers',
                         'XLA_PATCHES_COMPILE_WORKERS',
                         default_compile_workers(),
