@@ -141,6 +141,15 @@ def test_eight_threads_ask_for_one_bucket_not_ready(slow_compiles):
   assert sorted(slow.rows) == list(ROWS)
 
 
+def test_serve_that_waits_raises_a_bucket_that_did_not_compile(slow_compiles):
+  slow_compiles(seconds=0, fail_rows=3)
+  _, model = models()
+  with pytest.raises(RuntimeError,
+                     match=r'1 of 4 buckets did not compile: bucket 1 .*'
+                     'no memory left for 3 rows'):
+    torch_xla_patches.serve(model, BUCKETS, wait=True)
+
+
 @needs_capture
 def test_a_compile_that_raises_reaches_its_bucket_only(slow_compiles):
   slow = slow_compiles(seconds=0.5, fail_rows=4)

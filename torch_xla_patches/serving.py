@@ -182,11 +182,15 @@ def _compile_buckets(served: ServedModel,
                      wait: bool,
                      then: Optional[Callable[[], None]] = None) -> None:
   """Compiles the buckets without running them (see [Note: Ready at
-  once]): in the background, or, with `wait`, before returning; `then`
+  once]): in the background, or, with `wait`, before returning (raising
+  if a bucket's compile raised, as a batch job would want to know); `then`
   runs once they are done."""
   served.warm_up = warmup.BackgroundWarmUp(served, buckets, tensor_pool, then)
-  if wait:
-    served.warm_up.wait()
+  if wait and not served.warm_up.wait():
+    failed = served.warm_up.readiness().failed
+    raise RuntimeError(
+        f'torch_xla_patches.serve: {len(failed)} of {len(buckets)} buckets '
+        'did not compile: ' + '; '.join(failed))
 
 
 def _save(compiled: Any, path: str, key: ServeKey) -> None:
