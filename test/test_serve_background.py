@@ -85,15 +85,15 @@ def check(served, cpu, rows):
 
 
 def test_serve_returns_before_its_buckets_are_compiled(slow_compiles):
-  slow = slow_compiles(seconds=0.4)
+  slow = slow_compiles(seconds=2.0)
   cpu, model = models()
   start = time.perf_counter()
   served = torch_xla_patches.serve(model, BUCKETS, wait=False)
   returned = time.perf_counter() - start
   readiness = served.readiness()
-  assert readiness.total == len(ROWS) and readiness.ready < len(ROWS)
-  # Four compiles of 0.4 s each, on one worker or more, are not done yet.
-  assert returned < 0.4 * len(ROWS), returned
+  # Returned before a compile of 2 s could end, however many workers run.
+  assert returned < 2.0, returned
+  assert readiness.total == len(ROWS) and readiness.ready == 0
   assert served.wait_ready(timeout=60)
   assert served.readiness().done and served.readiness().failed == ()
   assert sorted(slow.rows) == list(ROWS)
