@@ -4,6 +4,7 @@
                                [--huge] [--skip-hf] [--floor] [--mesh]
   python tools/bench_decode.py --floor --skip-paged --skip-hf   # part 3 only
   python tools/bench_decode.py --mesh --skip-paged --skip-hf    # part 4 only
+  python tools/bench_decode.py --hf-module --skip-paged --skip-hf  # part 5
 
 Part 1, a paged decode step as vLLM runs it (PagedDecoder below): the decode
 tokens of up to 24 sequences flattened and padded to a bucket of 8, 16 or 32
@@ -91,6 +92,21 @@ step's inputs and the weights replicated, serve()'s buckets saying the
 caches' sharding. Under SPMD every read of a cache is pending IR until a
 sync, so a donating step syncs the device's pending IR before it runs.
 
+Part 5 (--hf-module), a module holding a transformers StaticCache in an
+attribute (CachedDecoder below), as transformers' static-cache decode loop
+in a module: greedy decoding (the prompt in one prefill, then one token a
+call), twice, the cache reset between, tokens checked against the same run
+eagerly on the CPU, at the two --hf-lengths, one fresh process per row:
+  upstream       torch.compile(module, backend='openxla'), no patch
+  patched        the same under torch_xla_patches.apply()
+  serve          serve(module, a prefill and a one-token bucket,
+                 cache_dir=...), a fresh directory
+  serve-restart  the same in a fresh process on the directory serve filled
+Columns: time to the first token from the start of torch.compile or
+serve(), the median one-token step and its host time in the second
+generation, peak RSS, dynamo frames compiled, whether serve() loaded its
+artifact, its fast calls.
+
 All rows of one run are measured side by side; compare them as ratios (the
 machine may be shared).
 """
@@ -104,6 +120,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -723,6 +740,148 @@ def hf_row(mode: str, cache_len: int, new_tokens: int,
   }
 
 
+class CachedDecoder(torch.nn.Module):
+  """Part 5's module: a LlamaForCausalLM and a transformers StaticCache held
+  in an attribute; each call runs its tokens at `cache_position` against the
+  cache, which it updates in place (transformers' static-cache decode loop,
+  in a module so that serve() can take it)."""
+
+  def __init__(self, model: torch.nn.Module, cache_len: int, device: Any):
+    super().__init__()
+    import transformers
+    self.model = model
+    self.cache = transformers.StaticCache(config=model.config,
+                                          max_cache_len=cache_len)
+    # Allocates the cache's tensors on the device, as a first prefill would.
+    with torch.no_grad():
+      model(input_ids=torch.tensor([[0]], device=device),
+            past_key_values=self.cache,
+            cache_position=torch.tensor([0], device=device),
+            use_cache=True)
+    self.cache.reset()
+
+  def forward(self, input_ids, cache_position):
+    return self.model(input_ids=input_ids,
+                      past_key_values=self.cache,
+                      cache_position=cache_position,
+                      use_cache=True).logits
+
+
+# Where the serve row leaves its artifact for the serve-restart row.
+_HF_MODULE_CACHE_ENV = 'XLA_PATCHES_BENCH_HF_MODULE_CACHE'
+
+
+def hf_module_row(mode: str, cache_len: int, new_tokens: int) -> Dict[str, Any]:
+  """One row of part 5, run in this process: greedy decoding of the
+  CachedDecoder, the prompt in one prefill then one token a call."""
+  import torch_xla
+  import transformers
+  from torch._dynamo.utils import counters as dynamo_counters
+  device = torch_xla.device()
+  config = transformers.LlamaConfig(**HF_CONFIG,
+                                    max_position_embeddings=max(
+                                        cache_len, 2048))
+  torch.manual_seed(0)
+  cpu_model = transformers.LlamaForCausalLM(config).eval()
+  prompt = torch.randint(0,
+                         config.vocab_size, (1, HF_PROMPT),
+                         generator=torch.Generator().manual_seed(1))
+
+  def greedy(forward, on, timed=None):
+    with torch.no_grad():
+      logits = forward(prompt.to(on), torch.arange(HF_PROMPT, device=on))
+      tokens = [int(logits[0, -1].argmax())]
+      if timed is not None:
+        timed.append(time.perf_counter())
+      for step in range(new_tokens - 1):
+        args = (torch.tensor([[tokens[-1]]], device=on),
+                torch.tensor([HF_PROMPT + step], device=on))
+        if timed is None:
+          logits = forward(*args)
+        else:
+          logits, wall, host = time_call(forward, *args)
+          timed_steps.append((wall, host))
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+  timed_steps: List[Tuple[float, float]] = []
+  expected = greedy(CachedDecoder(cpu_model, cache_len, 'cpu'), 'cpu')
+  model = copy.deepcopy(cpu_model).to(device)
+  decoder = CachedDecoder(model, cache_len, device)
+  start = time.perf_counter()
+  if mode == 'upstream':
+    forward = torch.compile(decoder, backend='openxla')
+  elif mode == 'patched':
+    import torch_xla_patches
+    torch_xla_patches.apply()
+    forward = torch.compile(decoder, backend='openxla')
+  else:
+    import torch_xla_patches
+    from torch_xla_patches import CallSpec, TensorSpec
+    forward = torch_xla_patches.serve(
+        decoder, [
+            CallSpec(TensorSpec(
+                (1, HF_PROMPT), torch.long), TensorSpec(
+                    (HF_PROMPT,), torch.long)),
+            CallSpec(TensorSpec((1, 1), torch.long), TensorSpec(
+                (1,), torch.long))
+        ],
+        cache_dir=os.environ[_HF_MODULE_CACHE_ENV])
+  first_token = []
+  frames_before = dynamo_counters['stats']['unique_graphs']
+  got = greedy(forward, device, first_token)
+  # A second generation on the same cache, after a reset, timed.
+  decoder.cache.reset()
+  timed_steps.clear()
+  again = greedy(forward, device, [])
+  return {
+      'first_token_s':
+          first_token[0] - start,
+      'step_ms':
+          statistics.median(w for w, _ in timed_steps) * 1e3,
+      'host_us':
+          statistics.median(h for _, h in timed_steps) * 1e6,
+      'peak_rss_mib':
+          peak_rss_mib(),
+      'loaded':
+          bool(getattr(forward, 'loaded', False)),
+      'dynamo_frames':
+          dynamo_counters['stats']['unique_graphs'] - frames_before,
+      'fast_calls': (forward.calls.fast_calls if getattr(
+          forward, 'calls', None) is not None else None),
+      'tokens_match':
+          got == expected and again == expected,
+  }
+
+
+def hf_module_table(results: Dict[tuple, Dict[str, Any]],
+                    lengths: Sequence[int]) -> List[str]:
+  """Part 5's markdown table."""
+  lines = [
+      '| row | static cache length | first token s | step ms | host us | '
+      'peak RSS MiB | dynamo frames | artifact loaded | fast calls | '
+      'vs eager tokens (two generations) |',
+      '|---|---:|---:|---:|---:|---:|---:|---|---:|---|',
+  ]
+  for mode in HF_MODULE_MODES:
+    for length in lengths:
+      r = results[(mode, length)]
+      if 'error' in r:
+        lines.append(f'| {mode} | {length} | failed: {r["error"]} ' + '| ' * 7 +
+                     '|')
+        continue
+      check = 'ok' if r['tokens_match'] else 'MISMATCH'
+      fast = '-' if r['fast_calls'] is None else r['fast_calls']
+      lines.append(f'| {mode} | {length} | {_fmt(r["first_token_s"])} | '
+                   f'{_fmt(r["step_ms"])} | {_fmt(r["host_us"], 1)} | '
+                   f'{r["peak_rss_mib"]:.0f} | {r["dynamo_frames"]} | '
+                   f'{r["loaded"]} | {fast} | {check} |')
+  return lines
+
+
+HF_MODULE_MODES = ('upstream', 'patched', 'serve', 'serve-restart')
+
+
 def run_row(kind: str, mode: str, size: float, args) -> Dict[str, Any]:
   """A row in a fresh process of this tool; its JSON line, or
   {'error': ...}."""
@@ -771,6 +930,8 @@ def row_main(kind: str, mode: str, size: float, args) -> int:
                          args.warmup,
                          args.steps,
                          on_mesh=kind == 'paged-mesh')
+    elif kind == 'hf-module':
+      result = hf_module_row(mode, int(size), args.hf_tokens)
     elif kind == 'floor':
       # A floor row's mode is its count of other live tensors.
       result = floor_row(size, int(mode), args.warmup, args.steps,
@@ -930,6 +1091,11 @@ def main() -> int:
                       action='store_true',
                       help='also part 4: part 1 with the caches sharded over '
                       f'a mesh of {MESH_DEVICES} virtual devices')
+  parser.add_argument('--hf-module',
+                      action='store_true',
+                      help='also part 5: a module holding a StaticCache, '
+                      'through torch.compile and serve() (first start and '
+                      'restart)')
   parser.add_argument('--skip-hf', action='store_true')
   parser.add_argument('--skip-paged', action='store_true')
   parser.add_argument('--row', nargs=3, help=argparse.SUPPRESS)
@@ -985,6 +1151,23 @@ def main() -> int:
         f'slot over {MESH_DEVICES} virtual CPU devices (SPMD), the step\'s '
         'inputs and the weights replicated; one fresh process per row\n'
     ] + paged_table(results, sizes)
+  if args.hf_module:
+    lengths = list(args.hf_lengths)
+    results = {}
+    for length in lengths:
+      with tempfile.TemporaryDirectory(prefix='xla_patches_hf_') as cache_dir:
+        os.environ[_HF_MODULE_CACHE_ENV] = cache_dir
+        for mode in HF_MODULE_MODES:
+          results[(mode, length)] = run_row('hf-module', mode, length, args)
+    output += [
+        f'\nA module holding a StaticCache (part 5): LlamaForCausalLM '
+        f'{HF_CONFIG["num_hidden_layers"]} layers, hidden '
+        f'{HF_CONFIG["hidden_size"]}, prompt {HF_PROMPT} in one prefill, '
+        f'{args.hf_tokens} tokens greedy, twice (the cache reset between); '
+        'first token from the start of torch.compile or serve(); step: median '
+        'of the second generation\'s one-token calls; one fresh process per '
+        'row (serve-restart on the directory serve filled)\n'
+    ] + hf_module_table(results, lengths)
   if args.floor:
     sizes = [args.small_mib, args.large_mib]
     results = {
