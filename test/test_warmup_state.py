@@ -120,20 +120,29 @@ def test_a_restart_leaves_the_state_as_it_was(tmp_path):
   assert_same_state(state_of(cpu), state_of(module))
 
 
+class Keyworded(StatefulStep):
+  """StatefulStep with a keyword-only argument."""
+
+  def forward(self, x, *, scale):
+    return super().forward(x) * scale
+
+
 def test_call_spec_buckets_with_keywords_leave_the_state_as_it_was():
-
-  class Keyworded(StatefulStep):
-
-    def forward(self, x, *, scale):
-      return super().forward(x) * scale
-
   torch.manual_seed(0)
-  module = Keyworded().to(torch_xla.device())
-  module.scratch = module.scratch.to(torch_xla.device())
+  cpu = Keyworded()
+  module = Keyworded()
+  module.load_state_dict(cpu.state_dict())
+  module.to(torch_xla.device())
+  module.scratch = cpu.scratch.to(torch_xla.device())
   before = state_of(module)
-  torch_xla_patches.serve(module, [
-      CallSpec(args=(TensorSpec((batch, 6), torch.float32),),
-               kwargs={'scale': 2.0}) for batch in BATCHES
+  served = torch_xla_patches.serve(module, [
+      CallSpec(TensorSpec((batch, 6), torch.float32), scale=2.0)
+      for batch in BATCHES
   ],
-                          wait=True)
+                                   wait=True)
+  assert served.readiness().ready == len(BATCHES)
   assert_same_state(before, state_of(module))
+  x = torch.randn(3, 6)
+  torch.testing.assert_close(
+      served(x.to(torch_xla.device()), scale=2.0).cpu(),
+      cpu(x, scale=2.0).detach())

@@ -40,6 +40,20 @@ class SignatureCompiled:
   xla_compiles: int
 
 
+class _CompileClock:
+  """Wall seconds and whether XLA compiled, from its making to result()."""
+
+  def __init__(self):
+    self._compiles, _ = compile_stats()
+    self._start = time.perf_counter()
+
+  def result(self, entry: CompiledGraphEntry) -> SignatureCompiled:
+    compiles, _ = compile_stats()
+    return SignatureCompiled(entry=entry,
+                             seconds=time.perf_counter() - self._start,
+                             xla_compiles=int(compiles > self._compiles))
+
+
 class CompileFailed(RuntimeError):
   """The compile of a signature that a call waited for raised; the message
   names the graph and the signature (see [Note: Compiles outside the
@@ -222,8 +236,7 @@ class SignatureCache:
     future = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     self.compiling[key] = future
-    compiles_before, _ = compile_stats()
-    start = time.perf_counter()
+    clock = _CompileClock()
     try:
       if release_lock:
         with execution.execution_lock_released():
@@ -234,13 +247,9 @@ class SignatureCache:
       del self.compiling[key]
       future.set_exception(error)
       raise
-    compiles_after, _ = compile_stats()
     self._add_compiled(key, traced.entry, args)
     del self.compiling[key]
-    future.set_result(
-        SignatureCompiled(entry=traced.entry,
-                          seconds=time.perf_counter() - start,
-                          xla_compiles=int(compiles_after > compiles_before)))
+    future.set_result(clock.result(traced.entry))
     return traced.entry
 
   def compile_only(self, key: Hashable, args: Sequence[Any]) -> None:
@@ -265,8 +274,7 @@ class SignatureCache:
     """Traces the signature of `args` now and compiles it on the compile
     pool; the future of its compile is noted (execution.note_compile). The
     caller holds execution_lock."""
-    compiles_before, _ = compile_stats()
-    start = time.perf_counter()
+    clock = _CompileClock()
     traced = self._trace(self.xla_model, args, self.layout)
     # Under SPMD the trace's sync of the arguments replicates those the
     # user left unannotated: the calls that follow have that key.
@@ -280,12 +288,8 @@ class SignatureCache:
       # Compiled in its trace, holding the lock (see [Note: Compiles outside
       # the lock]).
       self._add_compiled(key, traced.entry, args)
-      compiles_after, _ = compile_stats()
       done = concurrent.futures.Future()
-      done.set_result(
-          SignatureCompiled(entry=traced.entry,
-                            seconds=time.perf_counter() - start,
-                            xla_compiles=int(compiles_after > compiles_before)))
+      done.set_result(clock.result(traced.entry))
       execution.note_compile(done)
       return
     made = record.make_record(self.layout, args) if self.usage else None
@@ -295,8 +299,7 @@ class SignatureCache:
     entry = traced.entry
 
     def compile_and_add() -> SignatureCompiled:
-      compiles_before, _ = compile_stats()
-      start = time.perf_counter()
+      clock = _CompileClock()
       try:
         compile_window.compile_traced(graph_tensors)
       except Exception as error:
@@ -306,16 +309,13 @@ class SignatureCache:
             f'torch_xla_patches: graph {self.graph_id}: the background '
             f'compile of {signature.describe()} raised '
             f'{type(error).__name__}: {error}') from error
-      compiles_after, _ = compile_stats()
+      compiled = clock.result(entry)
       with execution.execution_lock:
         self._add_entry(key, entry)
         if made is not None:
           self.usage.record(key, made)
         del self.compiling[key]
-      return SignatureCompiled(
-          entry=entry,
-          seconds=time.perf_counter() - start,
-          xla_compiles=int(compiles_after > compiles_before))
+      return compiled
 
     future = compile_window.compile_pool().submit(compile_and_add)
     self.compiling[key] = future
