@@ -5,6 +5,7 @@ import os
 import random
 import sys
 import threading
+import traceback
 
 import pytest
 import torch
@@ -172,6 +173,7 @@ def test_torch_compile_calls_while_another_thread_compiles(patched_bridge):
   start = threading.Barrier(threads)
   lock = threading.Lock()
   errors = collections.Counter()
+  first_traceback = []
   results = []
 
   def worker(index):
@@ -187,6 +189,8 @@ def test_torch_compile_calls_while_another_thread_compiles(patched_bridge):
       except Exception as e:  # pylint: disable=broad-except
         with lock:
           errors[f'{type(e).__name__}: {str(e).splitlines()[0]}'] += 1
+          if not first_traceback:
+            first_traceback.append(traceback.format_exc())
     with lock:
       results.extend(mine)
 
@@ -195,7 +199,7 @@ def test_torch_compile_calls_while_another_thread_compiles(patched_bridge):
     thread.start()
   for thread in workers:
     thread.join()
-  assert dict(errors) == {}
+  assert dict(errors) == {}, ''.join(first_traceback)
   assert len(results) == threads * calls
   with torch.no_grad():
     for x, y in results:

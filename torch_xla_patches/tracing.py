@@ -16,6 +16,7 @@ import torch_xla.core.xla_model as xm
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from torch_xla_patches import config
+from torch_xla_patches import torch_internals
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
 from torch_xla_patches.donation import (clear_donor_mark, data_id_of,
                                         donatable_positions, maybe_read,
@@ -199,6 +200,20 @@ def pending_ir_restored(tensors: Sequence[torch.Tensor],
 class ArgumentsRestore:
   """Puts the arguments of a trace back as they were before it.
 
+  [Note: Restores and dynamo's compiles]
+  A restore writes a graph input (a parameter, a buffer, a cache) through
+  torch's functionalization: each write is queued on the tensor's functional
+  storage and applied by the sync after it. A dynamo compile on another
+  thread turns the same tensors into fake tensors (dynamo's inputs, then
+  AOTAutograd's); a conversion that finds the queued write applies it under
+  its fake mode, which refuses the real tensor ("Please convert all Tensors
+  to FakeTensors first", raised as BackendCompilerFailed), and nothing guards
+  the queue against two threads. A restore therefore holds dynamo's compile
+  lock from its first write to its sync: it never overlaps another thread's
+  dynamo compile. Restores happen when a signature is traced, so only a
+  trace waits for a dynamo compile, never a call of a compiled program; no
+  thread holding dynamo's compile lock waits for execution_lock.
+
   Tracing runs the FX graph on the real arguments, so in-place updates in the
   graph give them pending IR, and the trace's reads (the clones' too) give them
   an IR node of their device data. Lazy clones (no device copy happens unless
@@ -248,13 +263,15 @@ class ArgumentsRestore:
                                                 flags, self.read, self.had_ir)
         if flag or (not had_ir and not t._is_view() and read_since_set(t))
     ]
-    for tensor, clone, _ in updated:
-      tensor.copy_(clone)
-      # A donor mark of the bridge's trace would let the sync below hand the
-      # buffer over; a second trace marks again.
-      if self.clear_donor_marks:
-        clear_donor_mark(tensor)
-    sync_alone([tensor for tensor, _, _ in updated])
+    # See [Note: Restores and dynamo's compiles].
+    with torch_internals.dynamo_compile_lock():
+      for tensor, clone, _ in updated:
+        tensor.copy_(clone)
+        # A donor mark of the bridge's trace would let the sync below hand
+        # the buffer over; a second trace marks again.
+        if self.clear_donor_marks:
+          clear_donor_mark(tensor)
+      sync_alone([tensor for tensor, _, _ in updated])
     for tensor, _, was_read in updated:
       if was_read:
         note_data(tensor, given=False)
