@@ -86,6 +86,7 @@ SERVE_COUNTERS = (
     fast_dispatch.COUNTER_FALLBACK_NO_PLAN,
     fast_dispatch.COUNTER_BRIDGE_RECOVERY,
     fast_dispatch.COUNTER_RETRACE,
+    fast_dispatch.COUNTER_CAPTURED_AGAIN,
     fast_dispatch.COUNTER_VERIFY_MISMATCH,
 )
 
@@ -100,7 +101,7 @@ class Paths:
 
   def _now(self):
     values = {name: met.counter_value(name) or 0 for name in SERVE_COUNTERS}
-    values['fast'] = self._served.calls.fast_calls
+    values['fast'] = self._served.fast_calls
     return values
 
   def since_last(self):
@@ -195,7 +196,8 @@ def test_bucket_calls_take_the_fast_path(patched_bridge):
 def test_train_and_eval(patched_bridge):
   cpu, model, served, paths = served_after_a_fast_call()
   # BatchNorm normalizes by the batch and updates its running statistics in
-  # training mode: dynamo's guard on `training` fails, the call re-traces.
+  # training mode: dynamo's guard on `training` fails, and the model is
+  # captured again in training mode (see [Note: One capture per guard set]).
   model.train()
   cpu.train()
   x = torch.randn(4, WIDTH)
@@ -207,12 +209,16 @@ def test_train_and_eval(patched_bridge):
   cpu.norm.running_var.copy_(model.norm.running_var.cpu())
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_MODULE: 1,
-      fast_dispatch.COUNTER_RETRACE: 1
+      fast_dispatch.COUNTER_CAPTURED_AGAIN: 1
   }
   model.eval()
   cpu.eval()
-  # The first call that saw the change dropped what was learned: no plan.
-  full_then_fast(paths, served, cpu, 4, fast_dispatch.COUNTER_FALLBACK_NO_PLAN)
+  # The call's key leads to the training capture, whose learned run the
+  # change drops; its guards refuse the call, the first capture's accept it
+  # (its plan was dropped by the change to training mode), and the next call
+  # of the key is fast on the first capture again.
+  full_then_fast(paths, served, cpu, 4, fast_dispatch.COUNTER_FALLBACK_MODULE)
+  assert len(served.captures()) == 2
 
 
 def test_an_in_place_weight_update(patched_bridge):
@@ -277,7 +283,7 @@ def test_grad_mode_autocast_and_function_modes(patched_bridge):
   torch.testing.assert_close(result.cpu(), expected, rtol=0.05, atol=0.05)
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE: 1,
-      fast_dispatch.COUNTER_RETRACE: 1
+      fast_dispatch.COUNTER_CAPTURED_AGAIN: 1
   }
 
   class Negate(torch.overrides.TorchFunctionMode):
@@ -291,7 +297,8 @@ def test_grad_mode_autocast_and_function_modes(patched_bridge):
     expected = cpu(x)
     result = served(xla(x))
   torch.testing.assert_close(result.cpu(), expected)
-  # dynamo's guards refuse the mode the capture did not have: a re-trace.
+  # dynamo's guards refuse the mode the captures did not have, and a capture
+  # under a mode defined in a function cannot be saved: a re-trace.
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE: 1,
       fast_dispatch.COUNTER_RETRACE: 1
@@ -303,12 +310,12 @@ def test_another_dtype_device_or_requires_grad(patched_bridge):
   check(served, cpu, torch.randn(4, WIDTH, dtype=torch.float64))
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
-      fast_dispatch.COUNTER_RETRACE: 1
+      fast_dispatch.COUNTER_CAPTURED_AGAIN: 1
   }
   check(served, cpu, torch.randn(4, WIDTH).requires_grad_())
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
-      fast_dispatch.COUNTER_RETRACE: 1
+      fast_dispatch.COUNTER_CAPTURED_AGAIN: 1
   }
   # Eager refuses a CPU input to a model on the XLA device; so does a served
   # call, whichever path it takes: dynamo's guards refuse the CPU tensor, and
@@ -318,6 +325,7 @@ def test_another_dtype_device_or_requires_grad(patched_bridge):
   with pytest.raises(torch._dynamo.exc.TorchRuntimeError,
                      match='found two different devices cpu, xla:0'):
     served(torch.randn(4, WIDTH))
+  # The capture on the CPU tensor fails the same way: a re-trace.
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
       fast_dispatch.COUNTER_RETRACE: 1
@@ -333,7 +341,7 @@ def test_a_dtype_conversion_of_the_model(patched_bridge):
   check(served, cpu, torch.randn(4, WIDTH))
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_MODULE: 1,
-      fast_dispatch.COUNTER_RETRACE: 1
+      fast_dispatch.COUNTER_CAPTURED_AGAIN: 1
   }
 
 
@@ -405,7 +413,7 @@ def test_captured_side_effects_keep_the_full_path(patched_bridge, caplog):
   # call; once the counter changed, torch.compile serves such calls.
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_NO_PLAN: 2,
-      fast_dispatch.COUNTER_RETRACE: 1
+      fast_dispatch.COUNTER_CAPTURED_AGAIN: 1
   }
 
 
@@ -437,7 +445,7 @@ def test_verify_mode_finds_a_change_the_fast_path_cannot_see(
       caplog.text)
   assert paths.since_last() == {
       fast_dispatch.COUNTER_VERIFY_MISMATCH: 1,
-      fast_dispatch.COUNTER_RETRACE: 1
+      fast_dispatch.COUNTER_CAPTURED_AGAIN: 1
   }
 
 
@@ -534,10 +542,12 @@ def test_aliased_arguments_take_the_full_path(patched_bridge):
       expected, _ = cpu(x, x)
     assert parts['y'] is x_xla
     torch.testing.assert_close(parts['sum'].cpu(), expected['sum'])
-  # dynamo's guards refuse the aliasing the capture did not have.
+  # dynamo's guards refuse the aliasing the first capture did not have: the
+  # model is captured again once, and that capture's guards accept the
+  # second call too (a call with no key finds its capture by the guards).
   assert paths.since_last() == {
       fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 2,
-      fast_dispatch.COUNTER_RETRACE: 2
+      fast_dispatch.COUNTER_CAPTURED_AGAIN: 1
   }
   # A call that passes one tensor twice has no key.
   assert call_spec.call_key((x, x), {}) == (None, [x, x])

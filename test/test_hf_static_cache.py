@@ -143,13 +143,6 @@ print(json.dumps(dict(loaded=served.loaded, first=first, second=second,
 '''
 
 
-@pytest.mark.xfail(strict=True,
-                   reason='the one-token bucket needs a capture of its own: '
-                   "the first capture's guards refuse it (`2 <= "
-                   "input_ids.size()[1]`, transformers' is_causal test, and a "
-                   'batch of 1 duck-sized with the cache), so each restart '
-                   'replaces the artifact and traces again (the Hugging Face '
-                   'generation issue)')
 def test_a_restart_decodes_as_eager_in_the_models_own_cache(tmp_path):
   import json
   import os

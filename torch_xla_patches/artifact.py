@@ -69,6 +69,10 @@ class ArtifactHeader:
   # serve(): the parts of the ServeKey the artifact was made for (see
   # [Note: Serve key]); None for an artifact `save` wrote directly.
   serve_key: Optional[Dict[str, Any]] = None
+  # How many captures of the model the payload holds (see [Note: One capture
+  # per guard set] in serving.py): one is the payload itself, more a pickled
+  # list of such payloads.
+  captures: int = 1
 
   def saved_versions(self) -> versions.RuntimeVersions:
     """The versions of the process that saved the artifact."""

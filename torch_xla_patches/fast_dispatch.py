@@ -48,6 +48,7 @@ call to find such a change.
 import dataclasses
 import itertools
 import logging
+import threading
 import weakref
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -74,6 +75,9 @@ COUNTER_FALLBACK_NO_PLAN = 'ServeFallbackNoPlan'  # ...there is no plan
 COUNTER_BRIDGE_RECOVERY = 'ServeBridgeRecovery'
 # A full call refused by dynamo's guards, served by a re-trace.
 COUNTER_RETRACE = 'ServeRetrace'
+# A full call every capture's guards refused, served by a capture of its own
+# (see [Note: One capture per guard set] in serving.py).
+COUNTER_CAPTURED_AGAIN = 'ServeCapturedAgain'
 # config.serve_verify: a fast call that dynamo's guards refused.
 COUNTER_VERIFY_MISMATCH = 'ServeVerifyMismatch'
 
@@ -156,33 +160,65 @@ class ServedModel:
   """What serve() returns: call it like the model.
 
   A call takes the fast path (see [Note: Served fast path]) when it can, and
-  otherwise the full path: the captured code with dynamo's guards, or, where
-  those refuse the call, a re-trace with torch.compile (see [Note: One
-  served call]). Calls run without autograd whatever the grad mode, from any
-  number of threads.
+  otherwise the full path: the captured code with dynamo's guards. A call
+  those guards refuse goes to the capture whose guards accept it, made on
+  the first such call (see [Note: One capture per guard set] in
+  serving.py), or, where the model cannot be captured again, to a re-trace
+  with torch.compile (see [Note: One served call]). Calls run without
+  autograd whatever the grad mode, from any number of threads.
 
   Args:
-    compiled: the compiled callable (an aot_compile'd CompiledModel, or a
-      torch.compile'd module on torch 2.8 or where aot_compile could not
-      capture the model, which has no fast path).
+    captures: the captures made or loaded so far (aot_compile'd
+      CompiledModels), or a single torch.compile'd module (torch 2.8, or
+      where aot_compile could not capture the model), which has no fast path.
     model: the served module.
     artifact: the artifact path this process loaded or wrote, or None.
     loaded: whether the artifact was loaded and serves the buckets (no
       dynamo frame).
+    capture: captures the model on a call's (args, kwargs); returns None
+      where it cannot. None: calls no capture accepts are traced again.
   """
 
-  def __init__(self, compiled: Any, model: torch.nn.Module,
-               artifact: Optional[str], loaded: bool):
-    self.compiled = compiled
+  # More captures than this: the model's guards depend on something that
+  # keeps changing; calls none accepts are traced again instead.
+  MAX_CAPTURES = 8
+
+  def __init__(self,
+               captures: Sequence[Any],
+               model: torch.nn.Module,
+               artifact: Optional[str],
+               loaded: bool,
+               capture: Optional[Callable[[tuple, Dict[str, Any]],
+                                          Optional[Any]]] = None):
     self.model = model
     self.artifact = artifact
     self.loaded = loaded
-    # Every call of a captured model (None for a torch.compile'd one).
-    self.calls = (ServedCalls(compiled, model) if isinstance(
-        compiled, serialization.CompiledModel) else None)
+    self.compiled = captures[0]
+    if isinstance(self.compiled, serialization.CompiledModel):
+      self._served: Tuple[ServedCalls, ...] = tuple(
+          ServedCalls(compiled, model, self._refused) for compiled in captures)
+      # Every call of the first capture; the others' in _served.
+      self.calls: Optional[ServedCalls] = self._served[0]
+    else:
+      self._served = ()
+      self.calls = None
+    self._capture = capture
+    self._capture_lock = threading.Lock()
+    # Call key -> the ServedCalls whose guards accepted it, for keys the
+    # first capture's guards refused.
+    self._route: Dict[Hashable, ServedCalls] = {}
     # The compile of the buckets, once serve() starts it (see [Note: Ready
     # at once] in serving.py).
     self.warm_up: Optional[Any] = None
+
+  def captures(self) -> List[Any]:
+    """The CompiledModels serving calls, in the order they were made."""
+    return [calls.compiled for calls in self._served]
+
+  @property
+  def fast_calls(self) -> int:
+    """Calls served by the fast path, of every capture."""
+    return sum(calls.fast_calls for calls in self._served)
 
   def readiness(self) -> Any:
     """How many buckets are compiled, of how many, and which failed (a
@@ -195,10 +231,72 @@ class ServedModel:
     return self.warm_up.wait(timeout)
 
   def __call__(self, *args, **kwargs):
-    if self.calls is not None:
-      return self.calls(args, kwargs)
-    with torch.no_grad():
-      return self.compiled(*args, **kwargs)
+    served = self._served
+    if not served:
+      with torch.no_grad():
+        return self.compiled(*args, **kwargs)
+    key, leaves = call_spec.call_key(args, kwargs, served[0].sharding_of)
+    calls = served[0]
+    if key is not None and self._route:
+      calls = self._route.get(key, calls)
+      if calls is None:
+        return served[0].retrace(args, kwargs)
+    return calls.call(args, kwargs, key, leaves)
+
+  def _refused(self, refused_by: 'ServedCalls', args: tuple, kwargs: Dict[str,
+                                                                          Any],
+               key: Optional[Hashable], leaves: Sequence[Any]) -> Any:
+    """Serves a call whose capture's guards refused it (see [Note: One
+    capture per guard set] in serving.py)."""
+    calls = self._accepting(args, kwargs, refused_by)
+    if calls is None:
+      calls = self._captured_for(args, kwargs)
+    if key is not None:
+      # None: calls of this key are traced again, without trying to
+      # capture them each time.
+      with execution.execution_lock:
+        self._route = {**self._route, key: calls}
+    if calls is None:
+      return self._served[0].retrace(args, kwargs)
+    return calls.full_call(args, kwargs, key, leaves)
+
+  def _accepting(
+      self, args: tuple, kwargs: Dict[str, Any],
+      refused_by: Optional['ServedCalls']) -> Optional['ServedCalls']:
+    for calls in self._served:
+      if calls is not refused_by and calls.compiled.guard_check(
+          *args, **kwargs):
+        return calls
+    return None
+
+  def _captured_for(self, args: tuple,
+                    kwargs: Dict[str, Any]) -> Optional['ServedCalls']:
+    """A capture of the model on this call, made once: another thread may
+    have made it meanwhile. None where the model cannot be captured again."""
+    with self._capture_lock:
+      calls = self._accepting(args, kwargs, None)
+      if calls is not None:
+        return calls
+      if self._capture is None or len(self._served) >= self.MAX_CAPTURES:
+        return None
+      compiled = self._capture(args, kwargs)
+      if compiled is None:
+        return None  # `capture` said why in the log.
+      if not compiled.guard_check(*args, **kwargs):
+        logger.warning(
+            'torch_xla_patches.serve: a capture of %s refuses the call it '
+            'was made on (%s); such calls are traced again',
+            type(self.model).__name__, compiled.guard_failure(*args, **kwargs))
+        return None
+      calls = ServedCalls(compiled, self.model, self._refused)
+      _increment_counter(COUNTER_CAPTURED_AGAIN, 1)
+      with execution.execution_lock:
+        self._served = self._served + (calls,)
+      logger.info(
+          'torch_xla_patches.serve: %s captured again (capture %d) for a call '
+          'the other captures\' guards refuse',
+          type(self.model).__name__, len(self._served))
+      return calls
 
 
 class ServedCalls:
@@ -233,17 +331,23 @@ class ServedCalls:
   Args:
     compiled: the served CompiledModel (serialization.aot_compile or load).
     model: the served module.
+    refused: serves a call whose key and leaves are computed and that
+      dynamo's guards refused, given this object first; None: a re-trace.
   """
 
-  def __init__(self, compiled: Any, model: torch.nn.Module):
-    self._compiled = compiled
+  def __init__(self,
+               compiled: Any,
+               model: torch.nn.Module,
+               refused: Optional[Callable[..., Any]] = None):
+    self.compiled = compiled
     self._model = model
+    self._refused = refused
     self._backend = compiled.backend_callable
     self._function_mode_depth = torch_internals.torch_function_mode_depth()
     # Under SPMD a call's key includes each tensor's sharding (see [Note:
     # Served call structure]).
-    self._sharding_of = (torch_xla._XLAC._get_xla_sharding_spec
-                         if torch_xla.runtime.is_spmd() else None)
+    self.sharding_of = (torch_xla._XLAC._get_xla_sharding_spec
+                        if torch_xla.runtime.is_spmd() else None)
     self._global_hooks = torch_internals.global_module_forward_hooks()
     # Loaded where its build step built it (see [Note: Building the native
     # fast path]); learning uses it from then on.
@@ -278,12 +382,17 @@ class ServedCalls:
     return len(self._learned.runs)
 
   def __call__(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
-    key, leaves = call_spec.call_key(args, kwargs, self._sharding_of)
+    return self.call(args, kwargs,
+                     *call_spec.call_key(args, kwargs, self.sharding_of))
+
+  def call(self, args: tuple, kwargs: Dict[str, Any], key: Optional[Hashable],
+           leaves: Sequence[Any]) -> Any:
+    """A call whose key and leaves (call_spec.call_key) are computed."""
     run = self._fast_run(key, args, kwargs)
     if run is not None:
       self.fast_calls += 1
       return run(leaves)
-    return self._full_call(args, kwargs, key, leaves)
+    return self.full_call(args, kwargs, key, leaves)
 
   # -- the fast path
 
@@ -324,7 +433,7 @@ class ServedCalls:
     return run
 
   def _verified(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
-    if self._compiled.guard_check(*args, **kwargs):
+    if self.compiled.guard_check(*args, **kwargs):
       return True
     _increment_counter(COUNTER_VERIFY_MISMATCH, 1)
     if not self._warned_verify:
@@ -347,14 +456,16 @@ class ServedCalls:
 
   # -- the full path
 
-  def _full_call(self, args: tuple, kwargs: Dict[str, Any],
-                 key: Optional[Hashable], leaves: Sequence[Any]) -> Any:
+  def full_call(self, args: tuple, kwargs: Dict[str, Any],
+                key: Optional[Hashable], leaves: Sequence[Any]) -> Any:
     # What learning is checked against, read before the guards run.
     generation = module_watch.generation
     global_states = _global_states()
-    compiled = self._compiled
+    compiled = self.compiled
     if not compiled.guard_check(*args, **kwargs):
-      return self._retrace(args, kwargs)
+      if self._refused is not None:
+        return self._refused(self, args, kwargs, key, leaves)
+      return self.retrace(args, kwargs)
     if self._changed_behind is not None:
       self._refuse_changed_behind()
     with self._backend.observed_calls() as calls:
@@ -381,7 +492,7 @@ class ServedCalls:
         'tensor to the attribute (which serve() traces again) or serve() '
         'the model again.')
 
-  def _retrace(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
+  def retrace(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
     """Serves a call the captured code does not apply to (another dtype, a
     changed module, ...) as torch.compile would: dynamo traces it again."""
     _increment_counter(COUNTER_RETRACE, 1)
@@ -392,7 +503,7 @@ class ServedCalls:
             '(%s); such calls are traced again with torch.compile (said '
             'once)',
             type(self._model).__name__,
-            self._compiled.guard_failure(*args, **kwargs))
+            self.compiled.guard_failure(*args, **kwargs))
         self._retraced = torch.compile(self._model,
                                        backend='openxla',
                                        dynamic=True)

@@ -63,8 +63,9 @@ logger = logging.getLogger('torch_xla_patches.serialization')
 __all__ = [
     'ArtifactCorruptError', 'ArtifactError', 'ArtifactMismatchError',
     'BACKEND_NAME', 'CompiledModel', 'Loaded', 'ServeKeyMismatchError',
-    'XlaSerializableCallable', 'aot_compile', 'load', 'openxla_serializable',
-    'read_header', 'register_backend', 'save', 'try_load', 'unregister_backend'
+    'XlaSerializableCallable', 'aot_compile', 'load', 'load_captures',
+    'openxla_serializable', 'read_header', 'register_backend', 'save',
+    'save_captures', 'try_load', 'unregister_backend'
 ]
 
 
@@ -248,19 +249,33 @@ def save(compiled: Any,
       raise TypeError('torch_xla_patches.save: pass a CompiledModel, or a '
                       'model with example_inputs to capture it with')
     compiled = aot_compile(compiled, tuple(example_inputs))
-  payload = serializable_backend.serialize_aot(compiled.aot_fn)
-  parts = source_digest.source_parts(compiled.model)
+  return save_captures([compiled], path, serve_key)
+
+
+def save_captures(captures: Sequence[CompiledModel],
+                  path: str,
+                  serve_key: Optional[ServeKey] = None) -> str:
+  """Writes the captures of one model (see [Note: One capture per guard set]
+  in serving.py) to `path` atomically, as one artifact; returns the path."""
+  require_torch_aot_compile('torch_xla_patches.save')
+  if not captures:
+    raise ValueError('torch_xla_patches.save: no capture to save')
+  first = captures[0]
+  payloads = [serializable_backend.serialize_aot(c.aot_fn) for c in captures]
+  payload = payloads[0] if len(payloads) == 1 else pickle.dumps(payloads)
+  parts = source_digest.source_parts(first.model)
   key_parts = serve_key.parts() if serve_key is not None else None
   header = ArtifactHeader(format_version=artifact.FORMAT_VERSION,
                           **artifact.version_fields(),
-                          model_name=source_digest.model_name(compiled.model),
+                          model_name=source_digest.model_name(first.model),
                           model_source_digest=source_digest.digest(parts),
                           model_source_parts=parts,
-                          module_call=compiled.module_call,
-                          example_args=compiled.example_args,
+                          module_call=first.module_call,
+                          example_args=first.example_args,
                           payload_sha256=hashlib.sha256(payload).hexdigest(),
                           payload_size=len(payload),
-                          serve_key=key_parts)
+                          serve_key=key_parts,
+                          captures=len(payloads))
   path = os.fspath(path)
   artifact.write(path, header, payload)
   return path
@@ -303,8 +318,9 @@ class ServeKeyMismatchError(ArtifactMismatchError):
 @dataclasses.dataclass(frozen=True)
 class Loaded:
   """What try_load found."""
-  # The loaded model; None when the file does not load.
-  compiled: Optional[CompiledModel]
+  # The loaded captures, in the order they were made; () when the file does
+  # not load.
+  captures: Tuple[CompiledModel, ...]
   # Why it does not load, naming the file; '' when it loads.
   reason: str
 
@@ -326,8 +342,27 @@ def load(path: str,
       [Note: Serve key]), compared before anything is unpickled.
   Raises:
     ArtifactCorruptError, ArtifactMismatchError (ServeKeyMismatchError for
-    another serve_key).
+    another serve_key; also for an artifact of serve() that holds several
+    captures, which only serve() loads).
   """
+  captures = load_captures(path, model, serve_key)
+  if len(captures) != 1:
+    raise ArtifactMismatchError(
+        f'torch_xla_patches: {path} holds {len(captures)} captures of the '
+        'model, one per set of guards its buckets needed (see [Note: One '
+        'capture per guard set]); serve() loads it')
+  (compiled,) = captures
+  if precompile and compiled.example_args is not None:
+    _warm_up(compiled, compiled.example_args, os.fspath(path))
+  return compiled
+
+
+def load_captures(
+    path: str,
+    model: Any = None,
+    serve_key: Optional[ServeKey] = None) -> Tuple[CompiledModel, ...]:
+  """Every capture an artifact holds (see [Note: One capture per guard set]
+  in serving.py), without precompiling; raises as `load` does."""
   require_torch_aot_compile('torch_xla_patches.load')
   if model is None:
     raise TypeError('torch_xla_patches.load needs model=: the saved graph '
@@ -339,32 +374,38 @@ def load(path: str,
       raise ServeKeyMismatchError(f'{path} differs in ' +
                                   ' | '.join(differences))
   try:
-    aot_fn = serializable_backend.deserialize_aot(payload)
+    payloads = [payload] if header.captures == 1 else pickle.loads(payload)
+    if (not isinstance(payloads, list) or len(payloads) != header.captures or
+        not all(isinstance(p, bytes) for p in payloads)):
+      raise pickle.UnpicklingError(
+          f'expected {header.captures} captures, found '
+          f'{type(payloads).__name__}')
+    aot_fns = [serializable_backend.deserialize_aot(p) for p in payloads]
   except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
     raise ArtifactCorruptError(
         f'torch_xla_patches: artifact {path} does not unpickle: {e}') from None
-  compiled = CompiledModel(aot_fn, model, header.module_call,
-                           header.example_args)
-  compiled.backend_callable.name_source(os.fspath(path))
-  compiled.backend_callable.rebind_lifted(model)
-  if precompile and header.example_args is not None:
-    _warm_up(compiled, header.example_args, os.fspath(path))
-  return compiled
+  captures = []
+  for aot_fn in aot_fns:
+    compiled = CompiledModel(aot_fn, model, header.module_call,
+                             header.example_args)
+    compiled.backend_callable.name_source(os.fspath(path))
+    compiled.backend_callable.rebind_lifted(model)
+    captures.append(compiled)
+  return tuple(captures)
 
 
 def try_load(path: str, model: Any, serve_key: ServeKey) -> Loaded:
-  """`load` without precompiling, as a value: the loaded model, or why the
-  file does not load. It never raises: serve() traces for a reason (see
-  [Note: Serving restarts])."""
+  """`load_captures` as a value: the loaded captures, or why the file does
+  not load. It never raises: serve() traces for a reason (see [Note:
+  Serving restarts])."""
   try:
-    return Loaded(
-        load(path, model=model, precompile=False, serve_key=serve_key), '')
+    return Loaded(load_captures(path, model=model, serve_key=serve_key), '')
   except ServeKeyMismatchError as e:
-    return Loaded(None, str(e))
+    return Loaded((), str(e))
   except Exception as e:  # pylint: disable=broad-except
     # Whatever the file holds, it is a reason to trace, never a failure of
     # serve().
-    return Loaded(None, f'{path} does not load: {type(e).__name__}: {e}')
+    return Loaded((), f'{path} does not load: {type(e).__name__}: {e}')
 
 
 def _warm_up(compiled: CompiledModel, example_args: Any, path: str) -> None:

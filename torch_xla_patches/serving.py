@@ -11,8 +11,8 @@ structure]) or, for positional tensors, a tuple of TensorSpec.
 With a cache directory, serve() keeps one artifact per ServeKey (see [Note:
 Serve key]) in <cache_dir>/serve/, named <model>-<key digest>.xla_aot, with
 the key's parts in its header. A process that finds the artifact of its key
-loads it (no dynamo frame), checks that the loaded guards accept every
-bucket, compiles the buckets, and the signatures recorded in the artifact
+loads it (no dynamo frame), checks that the guards of one of its captures
+accept each bucket (see [Note: One capture per guard set]), compiles the buckets, and the signatures recorded in the artifact
 and the signature index wait in the graph's backlog as any restart's do (see
 [Note: Replaying recorded signatures]). A process that does not (first
 start, another configuration, edited source, other versions, a damaged
@@ -24,6 +24,21 @@ and writes the artifact atomically, so processes sharing the directory see
 the old file or the new one, never a part. Two configurations of one model
 keep one artifact each. Nothing in the directory can fail a call: a file
 that does not load is a reason to trace, and a failed write is a warning.
+
+[Note: One capture per guard set]
+A capture holds dynamo's guards on what its example call let it assume. A
+model can branch on a size: transformers' causal-mask test makes a prompt
+of one token take other code than a prompt of several, so a capture on a
+prompt of four guards `2 <= input_ids.size()[1]` and refuses a decode step.
+Such a call is not another model: the served model captures it again, once,
+on that call (ServedModel's `capture`), and every later call that capture's
+guards accept is served by it, with a fast path of its own; a call's key
+routes it to the capture that accepted it. serve()'s warm-up calls the
+buckets, so each guard set its buckets need is captured before the
+artifact is written, and the artifact keeps every capture: a restart serves
+a decode bucket without dynamo too. Where a call cannot be captured, or
+captures keep being made (ServedModel.MAX_CAPTURES), calls no capture
+accepts are traced again with torch.compile (COUNTER_RETRACE).
 
 [Note: Ready at once]
 serve() returns once the model is captured (or its artifact loaded): the
@@ -193,10 +208,10 @@ def _compile_buckets(served: ServedModel,
         'did not compile: ' + '; '.join(failed))
 
 
-def _save(compiled: Any, path: str, key: ServeKey) -> None:
+def _save(served: ServedModel, path: str, key: ServeKey) -> None:
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    serialization.save(compiled, path, serve_key=key)
+    serialization.save_captures(served.captures(), path, serve_key=key)
   except OSError as e:
     logger.warning(
         'torch_xla_patches.serve: could not write %s (%s); the next restart '
@@ -211,13 +226,10 @@ def _example(buckets: Sequence[CallSpec]) -> CallSpec:
                  (min(s.shape, default=2) for s in b.tensor_specs), default=2))
 
 
-def _capture(model: torch.nn.Module, key: ServeKey, buckets: Sequence[CallSpec],
-             tensor_pool: Dict[Any, torch.Tensor]) -> Optional[Any]:
-  """The model captured with aot_compile on the example bucket, whose
-  tensors join `tensor_pool`; None, said in the log, where aot_compile
-  cannot capture it."""
-  import torch_xla
-  args, kwargs = _example(buckets).materialize(torch_xla.device(), tensor_pool)
+def _capture(model: torch.nn.Module, key: ServeKey, args: tuple,
+             kwargs: Dict[str, Any]) -> Optional[Any]:
+  """The model captured with aot_compile on a call; None, said in the log,
+  where aot_compile cannot capture it."""
   try:
     return serialization.aot_compile(model, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except
@@ -226,22 +238,23 @@ def _capture(model: torch.nn.Module, key: ServeKey, buckets: Sequence[CallSpec],
     # to fail.
     logger.warning(
         'torch_xla_patches.serve: aot_compile cannot capture %s (%s: %s); '
-        'serving it through torch.compile, which traces dynamo again in '
-        'every process', key.model,
+        'serving such calls through torch.compile, which traces dynamo again '
+        'in every process', key.model,
         type(e).__name__, e)
     return None
 
 
-def _refused_bucket(compiled: serialization.CompiledModel,
+def _refused_bucket(captures: Sequence[serialization.CompiledModel],
                     buckets: Sequence[CallSpec]) -> Optional[str]:
-  """Why the loaded guards refuse a bucket, if they refuse one."""
+  """Why the loaded captures' guards refuse a bucket, if every capture
+  refuses one."""
   import torch_xla
   device = torch_xla.device()
   for index, bucket in enumerate(buckets):
     args, kwargs = bucket.materialize(device)
-    if not compiled.guard_check(*args, **kwargs):
+    if not any(c.guard_check(*args, **kwargs) for c in captures):
       return (f'its guards refuse bucket {index} {bucket.describe()}: '
-              f'{compiled.guard_failure(*args, **kwargs)}')
+              f'{captures[0].guard_failure(*args, **kwargs)}')
     del args, kwargs
   return None
 
@@ -251,14 +264,14 @@ def _load(path: Optional[str], model: torch.nn.Module, key: ServeKey,
   """The artifact of `key` at `path` if it loads and serves the buckets,
   else why not (no reason without a cache directory)."""
   if path is None:
-    return serialization.Loaded(None, '')
+    return serialization.Loaded((), '')
   if not os.path.lexists(path):
-    return serialization.Loaded(None, _why_not_found(path, key))
+    return serialization.Loaded((), _why_not_found(path, key))
   loaded = serialization.try_load(path, model, serve_key=key)
-  if loaded.compiled is not None:
-    refused = _refused_bucket(loaded.compiled, buckets)
+  if loaded.captures:
+    refused = _refused_bucket(loaded.captures, buckets)
     if refused is not None:
-      return serialization.Loaded(None, f'{path} is replaced: {refused}')
+      return serialization.Loaded((), f'{path} is replaced: {refused}')
   return loaded
 
 
@@ -280,29 +293,37 @@ def serve(model: torch.nn.Module,
   key = serve_key(model, buckets)
   path = artifact_path(cache_dir, key) if cache_dir else None
   loaded = _load(path, model, key, buckets)
-  compiled = loaded.compiled
+  captures = loaded.captures
   tensor_pool: Optional[Dict[Any, torch.Tensor]] = None
-  if compiled is None:
+  if not captures:
     if loaded.reason:
       logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model,
                   loaded.reason)
     # The buckets then reuse the example's tensors (a whole KV cache, say).
     tensor_pool = {}
-    compiled = _capture(model, key, buckets, tensor_pool)
-    if compiled is None:
+    import torch_xla
+    args, kwargs = _example(buckets).materialize(torch_xla.device(),
+                                                 tensor_pool)
+    first = _capture(model, key, args, kwargs)
+    del args, kwargs
+    if first is None:
       return _serve_with_torch_compile(model, buckets, wait)
-  served = ServedModel(compiled,
+    captures = (first,)
+  served = ServedModel(captures,
                        model,
                        path,
-                       loaded=loaded.compiled is not None)
+                       loaded=bool(loaded.captures),
+                       capture=functools.partial(_capture, model, key))
   if not wait:
     # Whichever call comes first, the warm-up's or a request's, the
     # recorded signatures compile in the background.
-    compiled.backend_callable.compile_in_background()
+    for compiled in captures:
+      compiled.backend_callable.compile_in_background()
   save = None
   if path is not None and not served.loaded:
-    # After the buckets: the artifact keeps the signatures they compiled.
-    save = functools.partial(_save, compiled, path, key)
+    # After the buckets: the artifact keeps the signatures they compiled,
+    # and the captures made for buckets the first one's guards refused.
+    save = functools.partial(_save, served, path, key)
   _compile_buckets(served, buckets, tensor_pool, wait, save)
   return served
 
@@ -321,6 +342,6 @@ def _serve_with_torch_compile(model: torch.nn.Module,
                               buckets: Sequence[CallSpec],
                               wait: bool) -> ServedModel:
   compiled = torch.compile(model, backend='openxla', dynamic=True)
-  served = ServedModel(compiled, model, None, loaded=False)
+  served = ServedModel((compiled,), model, None, loaded=False)
   _compile_buckets(served, buckets, None, wait)
   return served

@@ -1,0 +1,145 @@
+"""A bucket the first capture's guards refuse gets a capture of its own,
+kept in the artifact (see [Note: One capture per guard set] in
+serving.py)."""
+import json
+import os
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+
+import torch_xla_patches
+from torch_xla_patches import TensorSpec, artifact, fast_dispatch, serialization
+from bridge_testing import run_python
+from served_modules import PromptOrStep
+
+pytestmark = pytest.mark.requires('torch_aot_compile')
+
+WIDTH = 8
+PROMPT, STEP = (2, 4, WIDTH), (2, 1, WIDTH)
+BUCKETS = [(TensorSpec(PROMPT, torch.float32),),
+           (TensorSpec(STEP, torch.float32),)]
+
+
+def counter(name):
+  return met.counter_value(name) or 0
+
+
+def models():
+  torch.manual_seed(0)
+  cpu = PromptOrStep(WIDTH).eval()
+  model = PromptOrStep(WIDTH).eval().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  return cpu, model
+
+
+def check(served, cpu, shape):
+  x = torch.randn(*shape)
+  with torch.no_grad():
+    expected = cpu(x)
+  torch.testing.assert_close(served(x.to(torch_xla.device())).cpu(), expected)
+
+
+def test_a_step_bucket_is_captured_once_and_served_fast(patched_bridge):
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, BUCKETS, wait=True)
+  # The warm-up's call of the step bucket made the second capture.
+  assert len(served.captures()) == 2
+  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
+  for _ in range(3):
+    check(served, cpu, PROMPT)
+    check(served, cpu, STEP)
+  # The first call of each bucket takes the full path; the rest are fast,
+  # the steps on the second capture. Nothing is traced again.
+  assert served.fast_calls == 4
+  assert served.calls.fast_calls == 2
+  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
+  assert counter(fast_dispatch.COUNTER_RETRACE) == 0
+  # Other sizes go to the capture whose guards accept them.
+  check(served, cpu, (3, 7, WIDTH))
+  check(served, cpu, (5, 1, WIDTH))
+  assert len(served.captures()) == 2
+
+
+def test_threads_make_one_capture(patched_bridge):
+  import threading
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, BUCKETS[:1], wait=True)
+  start = threading.Barrier(4)
+  errors = []
+
+  def step():
+    start.wait()
+    try:
+      check(served, cpu, STEP)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=step) for _ in range(4)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert errors == []
+  assert len(served.captures()) == 2
+  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
+
+
+RESTART_SCRIPT = '''
+import json, sys
+sys.path.insert(0, {test_dir!r})
+import torch, torch_xla
+from torch._dynamo.utils import counters
+import torch_xla_patches
+import test_serve_captures as t
+cpu, model = t.models()
+served = torch_xla_patches.serve(model, t.BUCKETS, cache_dir={cache_dir!r},
+                                 wait=True)
+frames = counters['stats']['unique_graphs']
+for shape in (t.PROMPT, t.STEP, t.STEP):
+  t.check(served, cpu, shape)
+print(json.dumps(dict(loaded=served.loaded, captures=len(served.captures()),
+                      frames=frames,
+                      frames_after_calls=counters['stats']['unique_graphs'],
+                      fast=served.fast_calls)))
+'''
+
+
+def test_a_restart_loads_every_capture(tmp_path):
+  code = RESTART_SCRIPT.format(test_dir=os.path.dirname(
+      os.path.abspath(__file__)),
+                               cache_dir=str(tmp_path))
+  reports = []
+  for _ in range(2):
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  first, restart = reports
+  assert (first['loaded'], first['captures'], first['frames']) == (False, 2, 2)
+  # Both captures come from the artifact: no dynamo frame at all.
+  assert restart == dict(loaded=True,
+                         captures=2,
+                         frames=0,
+                         frames_after_calls=0,
+                         fast=1)
+  (name,) = os.listdir(tmp_path / 'serve')
+  path = str(tmp_path / 'serve' / name)
+  header, payload = artifact.read_header(path)
+  assert header.captures == 2
+  # load() serves one capture; it says where the artifact belongs.
+  _, model = models()
+  with pytest.raises(artifact.ArtifactMismatchError,
+                     match='holds 2 captures of the model.*serve\\(\\) loads '
+                     'it'):
+    serialization.load(path, model=model, precompile=False)
+  # A header whose count disagrees with its payload is a damaged file: a
+  # reason to trace, never a failure of serve().
+  damaged = str(tmp_path / 'damaged.xla_aot')
+  artifact.write(damaged, header.__class__(**{
+      **header.__dict__, 'captures': 3
+  }), payload)
+  loaded = serialization.try_load(damaged, model, serve_key=None)
+  assert loaded.captures == ()
+  assert 'ArtifactCorruptError' in loaded.reason
+  assert 'expected 3 captures' in loaded.reason
