@@ -725,3 +725,31 @@ def test_the_bound_tensor_check_can_be_turned_off(patched_bridge, monkeypatch):
   model.scale.data = model.scale.data.reshape(1, WIDTH)
   check(served, cpu, torch.randn(4, WIDTH))
   assert served.calls.fast_calls == fast + 1
+
+
+def test_a_trace_restores_its_arguments_between_dynamo_compiles(
+    patched_bridge, monkeypatch):
+  # A new signature's trace writes the model's tensors back through
+  # functionalization (tracing.ArgumentsRestore); a dynamo compile on another
+  # thread that made a fake tensor of one with that write still queued
+  # applied it under its fake mode and raised BackendCompilerFailed ("Please
+  # convert all Tensors to FakeTensors first"; 2 of 10 cold starts of this
+  # file's torch.compile load test). The restore waits for the compile (see
+  # [Note: Restores and dynamo's compiles] in tracing.py).
+  cpu, model, served = served_scaled()
+  compile_lock = torch_internals.dynamo_compile_lock()
+  watched = WatchedLock(compile_lock)
+  monkeypatch.setattr(torch_internals, 'dynamo_compile_lock', lambda: watched)
+  x = torch.randn(7, WIDTH)
+  with compile_lock:
+    # This thread stands for a dynamo compile in progress.
+    thread, outcome = call_in_thread(lambda: served(xla(x)).cpu(),
+                                     name='tracer')
+    watched.wait_until(lambda states: states.get('tracer') == 'waiting')
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    for tensor in list(model.parameters()) + list(model.buffers()):
+      assert fake_mode.from_tensor(tensor).shape == tensor.shape
+  thread.join()
+  assert 'error' not in outcome, outcome
+  with torch.no_grad():
+    torch.testing.assert_close(outcome['result'], cpu(x))

@@ -122,6 +122,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -939,6 +940,9 @@ def row_main(kind: str, mode: str, size: float, args) -> int:
     else:
       result = hf_row(mode, int(size), args.hf_tokens, args.hf_runs)
   except Exception as e:  # pylint: disable=broad-except
+    # The whole story on stderr, for a rerun of the row; its first line in
+    # the table.
+    traceback.print_exc()
     first = (str(e).strip().splitlines() or [''])[0]
     result = {'error': f'{type(e).__name__}: {first}'[:300].replace('|', '/')}
   print(json.dumps(result), flush=True)

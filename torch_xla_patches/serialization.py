@@ -152,15 +152,16 @@ class CompiledModel:
   def guard_check(self, *args, **kwargs) -> bool:
     """Whether dynamo's guards accept a call with `args`, `kwargs`: False
     means the captured code does not apply and calling would raise. Checked
-    under no_grad, as calls run."""
+    under no_grad, as calls run, and under execution_lock (see [Note: What
+    reads the model's tensors])."""
     args, kwargs = self.captured_arguments(args, kwargs)
-    with torch.no_grad():
+    with execution.execution_lock, torch.no_grad():
       return self.aot_fn.guard_check(*args, **kwargs)
 
   def guard_failure(self, *args, **kwargs) -> str:
     """Why dynamo's guards refuse a call (the first failing guard)."""
     args, kwargs = self.captured_arguments(args, kwargs)
-    with torch.no_grad():
+    with execution.execution_lock, torch.no_grad():
       return torch_internals.aot_guard_failure(self.aot_fn, *args, **kwargs)
 
   def call_checked(self, *args, **kwargs) -> Any:
@@ -211,8 +212,18 @@ def aot_compile(model: Any,
     target, example = model, (tuple(args), kwargs)
   # aot_compile captures outside torch.compile's own context, which is where
   # dynamic=True would turn static-by-default shapes off; do it here.
-  with torch_internals.capture_settings(dynamic,
-                                        size_oblivious), torch.no_grad():
+  # [Note: What reads the model's tensors]
+  # A donating run leaves the tensors it updates in place (a KV cache the
+  # model holds) without device data until it has run, under
+  # execution_lock. dynamo's guards and a capture's fake tensors read those
+  # tensors (their sizes and strides, and so their data handle) outside
+  # dynamo's frame, where no lock of the bridge is held: on another thread
+  # than the run's they raise "Check failed: data()->tensor_data" or find
+  # the buffer deleted. Both hold execution_lock; a capture then holds
+  # dynamo's compile lock inside it, the order a trace's restore takes them
+  # in (see [Note: Restores and dynamo's compiles] in tracing.py).
+  with execution.execution_lock, torch_internals.capture_settings(
+      dynamic, size_oblivious), torch.no_grad():
     aot_fn = torch.compile(target,
                            backend=openxla_serializable,
                            fullgraph=True,
