@@ -737,9 +737,9 @@ def test_a_trace_restores_its_arguments_between_dynamo_compiles(
   # file's torch.compile load test). The restore waits for the compile (see
   # [Note: Restores and dynamo's compiles] in tracing.py).
   cpu, model, served = served_scaled()
-  compile_lock = torch_internals.dynamo_compile_lock()
+  compile_lock = tracing.dynamo_compile_lock()
   watched = WatchedLock(compile_lock)
-  monkeypatch.setattr(torch_internals, 'dynamo_compile_lock', lambda: watched)
+  monkeypatch.setattr(tracing, 'dynamo_compile_lock', lambda: watched)
   x = torch.randn(7, WIDTH)
   with compile_lock:
     # This thread stands for a dynamo compile in progress.

@@ -151,18 +151,13 @@ def test_a_restart_decodes_as_eager_in_the_models_own_cache(tmp_path, wait):
   # leave the cache without data while they run, which dynamo's guards and
   # the capture read (see [Note: What reads the model's tensors] in
   # serialization.py).
-  import json
   import os
-  from bridge_testing import run_python
+  from bridge_testing import run_reports
   expected = greedy(CachedDecoder(llama('cpu'), 'cpu'), 'cpu')
   here = os.path.dirname(os.path.abspath(__file__))
   code = RESTART_SCRIPT.replace('TEST_DIR', repr(here)).replace(
       'CACHE_DIR', repr(str(tmp_path))).replace('WAIT', repr(wait))
-  reports = []
-  for _ in range(2):
-    proc = run_python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  reports = run_reports(code)
   first, restart = reports
   assert (first['loaded'], restart['loaded']) == (False, True)
   assert restart['frames'] == 0
@@ -194,20 +189,15 @@ print(json.dumps(dict(
 
 
 def test_a_loaded_graph_writes_the_models_own_cache(tmp_path):
-  import json
   import os
-  from bridge_testing import run_python
+  from bridge_testing import run_reports
   cpu = CachedDecoder(llama('cpu'), 'cpu')
   with torch.no_grad():
     expected = cpu(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0, -1]
   here = os.path.dirname(os.path.abspath(__file__))
   code = PREFILL_RESTART_SCRIPT.replace('TEST_DIR', repr(here)).replace(
       'CACHE_DIR', repr(str(tmp_path)))
-  reports = []
-  for _ in range(2):
-    proc = run_python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  reports = run_reports(code)
   assert [r['loaded'] for r in reports] == [False, True]
   for report in reports:
     torch.testing.assert_close(torch.tensor(report['logits']), expected)

@@ -1,7 +1,6 @@
 """A bucket the first capture's guards refuse gets a capture of its own,
 kept in the artifact (see [Note: One capture per guard set] in
 serving.py)."""
-import json
 import os
 
 import pytest
@@ -11,7 +10,7 @@ import torch_xla.debug.metrics as met
 
 import torch_xla_patches
 from torch_xla_patches import TensorSpec, artifact, fast_dispatch, serialization
-from bridge_testing import run_python
+from bridge_testing import run_reports
 from served_modules import PromptOrStep
 
 pytestmark = pytest.mark.requires('torch_aot_compile')
@@ -110,12 +109,7 @@ def test_a_restart_loads_every_capture(tmp_path):
   code = RESTART_SCRIPT.format(test_dir=os.path.dirname(
       os.path.abspath(__file__)),
                                cache_dir=str(tmp_path))
-  reports = []
-  for _ in range(2):
-    proc = run_python(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-  first, restart = reports
+  first, restart = run_reports(code)
   assert (first['loaded'], first['captures'], first['frames']) == (False, 2, 2)
   # Both captures come from the artifact: no dynamo frame at all.
   assert restart == dict(loaded=True,

@@ -219,7 +219,7 @@ def aot_compile(model: Any,
   # tensors (their sizes and strides, and so their data handle) outside
   # dynamo's frame, where no lock of the bridge is held: on another thread
   # than the run's they raise "Check failed: data()->tensor_data" or find
-  # the buffer deleted. Both hold execution_lock; a capture then holds
+  # the buffer deleted. Both hold execution_lock; a capture then takes
   # dynamo's compile lock inside it, the order a trace's restore takes them
   # in (see [Note: Restores and dynamo's compiles] in tracing.py).
   with execution.execution_lock, torch_internals.capture_settings(

@@ -45,12 +45,6 @@ def _attribute(module_name: str, name: str) -> Any:
     raise _missing(f'{module_name}.{name}') from None
 
 
-def dynamo_compile_lock() -> Any:
-  """dynamo's lock around each frame's compile: its trace, its fake
-  tensors, AOTAutograd and the backend."""
-  return _attribute('torch._dynamo.convert_frame', 'compile_lock')
-
-
 def _config(module_name: str, flags: Sequence[str]) -> Any:
   """The config module `module_name`, which must have every flag in `flags`."""
   module = importlib.import_module(module_name)

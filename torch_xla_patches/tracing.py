@@ -16,7 +16,6 @@ import torch_xla.core.xla_model as xm
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from torch_xla_patches import config
-from torch_xla_patches import torch_internals
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
 from torch_xla_patches.donation import (clear_donor_mark, data_id_of,
                                         donatable_positions, maybe_read,
@@ -196,6 +195,14 @@ def pending_ir_restored(tensors: Sequence[torch.Tensor],
     restore.release()
 
 
+def dynamo_compile_lock() -> Any:
+  """dynamo's lock around each frame's compile: its trace, its fake tensors,
+  AOTAutograd and the backend (see [Note: Restores and dynamo's
+  compiles])."""
+  import torch._dynamo.convert_frame
+  return torch._dynamo.convert_frame.compile_lock
+
+
 @dataclasses.dataclass(frozen=True)
 class ArgumentsRestore:
   """Puts the arguments of a trace back as they were before it.
@@ -264,7 +271,7 @@ class ArgumentsRestore:
         if flag or (not had_ir and not t._is_view() and read_since_set(t))
     ]
     # See [Note: Restores and dynamo's compiles].
-    with torch_internals.dynamo_compile_lock():
+    with dynamo_compile_lock():
       for tensor, clone, _ in updated:
         tensor.copy_(clone)
         # A donor mark of the bridge's trace would let the sync below hand
