@@ -98,3 +98,43 @@ def test_generate_with_a_static_cache_on_a_compiled_forward(patched_bridge):
 
 if __name__ == '__main__':
   sys.exit(pytest.main([__file__, '-q']))
+
+
+SERVE_SCRIPT = r'''
+import json, sys
+sys.path.insert(0, TEST_DIR)
+import torch, torch_xla
+from torch._dynamo.utils import counters
+import torch_xla_patches
+from torch_xla_patches import CallSpec, TensorSpec
+import test_hf_export_module as t
+device = torch_xla.device()
+module = t.decode_module(device)
+bucket = CallSpec(input_ids=TensorSpec((1, 1), torch.long),
+                  cache_position=TensorSpec((1,), torch.long))
+served = torch_xla_patches.serve(module, [bucket], cache_dir=CACHE_DIR,
+                                 wait=WAIT)
+tokens = t.greedy_tokens(served, device)
+served.wait_ready()
+print(json.dumps(dict(loaded=served.loaded, tokens=tokens,
+                      frames=counters['stats']['unique_graphs'],
+                      captures=len(served.captures()))))
+'''
+
+
+@pytest.mark.requires('torch_aot_compile')
+@pytest.mark.parametrize('wait', [True, False])
+def test_the_export_module_served_and_restarted(tmp_path, wait):
+  # Its caches are buffers, written in place by each step (donated); a
+  # restart loads the capture: no dynamo frame.
+  import os
+  from bridge_testing import run_reports
+  expected = greedy_tokens(decode_module('cpu'), 'cpu')
+  here = os.path.dirname(os.path.abspath(__file__))
+  code = SERVE_SCRIPT.replace('TEST_DIR', repr(here)).replace(
+      'CACHE_DIR', repr(str(tmp_path))).replace('WAIT', repr(wait))
+  first, restart = run_reports(code)
+  assert (first['loaded'], restart['loaded']) == (False, True)
+  assert restart['frames'] == 0
+  assert first['captures'] == restart['captures'] == 1
+  assert first['tokens'] == restart['tokens'] == expected
