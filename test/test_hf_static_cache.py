@@ -3,12 +3,21 @@ transformers StaticCache (the decode loop of transformers' static-cache
 docs, in a module so that serve() can take it): serve()'s warm-up leaves the
 cache as it was (it compiles without running), and greedy decoding gives
 eager's tokens."""
+import os
+import sys
+
 import pytest
 import torch
 import torch_xla
 
 import torch_xla_patches
 from torch_xla_patches import CallSpec, TensorSpec, warmup
+
+sys.path.insert(
+    0,
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                 'tools'))
+import bench_decode  # pylint: disable=g-import-not-at-top
 
 transformers = pytest.importorskip('transformers')
 
@@ -34,28 +43,11 @@ def llama(device):
   return transformers.LlamaForCausalLM(config).eval().to(device)
 
 
-class CachedDecoder(torch.nn.Module):
-  """A model and its StaticCache; each call runs the tokens at
-  `cache_position` against the cache, which it updates in place."""
-
-  def __init__(self, model, device):
-    super().__init__()
-    self.model = model
-    self.cache = transformers.StaticCache(config=model.config,
-                                          max_cache_len=CACHE)
-    # Allocates the cache's tensors on the device, as a first prefill would.
-    with torch.no_grad():
-      model(input_ids=torch.tensor([[0]], device=device),
-            past_key_values=self.cache,
-            cache_position=torch.tensor([0], device=device),
-            use_cache=True)
-    self.cache.reset()
-
-  def forward(self, input_ids, cache_position):
-    return self.model(input_ids=input_ids,
-                      past_key_values=self.cache,
-                      cache_position=cache_position,
-                      use_cache=True).logits
+def cached_decoder(model, device):
+  """tools/bench_decode.py's CachedDecoder (a model and its StaticCache; each
+  call runs the tokens at `cache_position` against the cache, which it
+  updates in place), with a cache of CACHE."""
+  return bench_decode.CachedDecoder(model, CACHE, device)
 
 
 def cache_tensors(decoder):
@@ -91,7 +83,7 @@ def test_serve_leaves_a_static_cache_as_it_was():
   # attributes of the graph (get_attr), not arguments: the warm-up's trace
   # writes them in place and must restore them too.
   device = torch_xla.device()
-  decoder = CachedDecoder(llama(device), device)
+  decoder = cached_decoder(llama(device), device)
   before = [t.cpu().clone() for t in cache_tensors(decoder)]
   served = torch_xla_patches.serve(decoder, BUCKETS, wait=True)
   assert served.readiness() == warmup.Readiness(ready=2, total=2, failed=())
@@ -103,9 +95,9 @@ def test_a_served_static_cache_decodes_as_eager_twice():
   # The cache is written in place by the served program (see [Note: Tensor
   # attributes of a captured graph]); the second generation reuses it
   # after a reset, as transformers' docs do.
-  expected = greedy(CachedDecoder(llama('cpu'), 'cpu'), 'cpu')
+  expected = greedy(cached_decoder(llama('cpu'), 'cpu'), 'cpu')
   device = torch_xla.device()
-  decoder = CachedDecoder(llama(device), device)
+  decoder = cached_decoder(llama(device), device)
   served = torch_xla_patches.serve(decoder, BUCKETS, wait=True)
   assert greedy(served, device) == expected
   written = [t.cpu() for t in cache_tensors(decoder)]
@@ -119,9 +111,9 @@ def test_a_served_static_cache_decodes_as_eager_twice():
 
 
 def test_a_static_cache_under_torch_compile_decodes_as_eager():
-  expected = greedy(CachedDecoder(llama('cpu'), 'cpu'), 'cpu')
+  expected = greedy(cached_decoder(llama('cpu'), 'cpu'), 'cpu')
   device = torch_xla.device()
-  decoder = CachedDecoder(llama(device), device)
+  decoder = cached_decoder(llama(device), device)
   compiled = torch.compile(decoder, backend='openxla', dynamic=True)
   assert greedy(compiled, device) == expected
 
@@ -134,7 +126,7 @@ from torch._dynamo.utils import counters
 import torch_xla_patches
 import test_hf_static_cache as t
 device = torch_xla.device()
-decoder = t.CachedDecoder(t.llama(device), device)
+decoder = t.cached_decoder(t.llama(device), device)
 served = torch_xla_patches.serve(decoder, t.BUCKETS, cache_dir=CACHE_DIR,
                                  wait=WAIT)
 first = t.greedy(served, device)
@@ -155,9 +147,8 @@ def test_a_restart_decodes_as_eager_in_the_models_own_cache(tmp_path, wait):
   # leave the cache without data while they run, which dynamo's guards and
   # the capture read (see [Note: What reads the model's tensors] in
   # serialization.py).
-  import os
   from bridge_testing import run_reports
-  expected = greedy(CachedDecoder(llama('cpu'), 'cpu'), 'cpu')
+  expected = greedy(cached_decoder(llama('cpu'), 'cpu'), 'cpu')
   here = os.path.dirname(os.path.abspath(__file__))
   code = RESTART_SCRIPT.replace('TEST_DIR', repr(here)).replace(
       'CACHE_DIR', repr(str(tmp_path))).replace('WAIT', repr(wait))
@@ -180,7 +171,7 @@ import torch_xla_patches
 from torch_xla_patches import CallSpec, TensorSpec
 import test_hf_static_cache as t
 device = torch_xla.device()
-decoder = t.CachedDecoder(t.llama(device), device)
+decoder = t.cached_decoder(t.llama(device), device)
 served = torch_xla_patches.serve(decoder, [
     CallSpec(TensorSpec((1, n), torch.long), TensorSpec((n,), torch.long))
     for n in (4, 6)], cache_dir=CACHE_DIR, wait=True)
@@ -193,9 +184,8 @@ print(json.dumps(dict(
 
 
 def test_a_loaded_graph_writes_the_models_own_cache(tmp_path):
-  import os
   from bridge_testing import run_reports
-  cpu = CachedDecoder(llama('cpu'), 'cpu')
+  cpu = cached_decoder(llama('cpu'), 'cpu')
   with torch.no_grad():
     expected = cpu(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0, -1]
   here = os.path.dirname(os.path.abspath(__file__))
