@@ -294,8 +294,8 @@ def main(argv=None):
   print(f'| patched torch.compile call / floor | '
         f'{host["patched torch.compile call"] / host["floor"]:.2f} | '
         f'{wall["patched torch.compile call"] / wall["floor"]:.2f} |')
-  print(f'\nserve(): {served.calls.fast_calls} of '
-        f'{served.calls.fast_calls + served_full_calls(served)} calls took '
+  print(f'\nserve(): {served.fast_calls} of '
+        f'{served.fast_calls + served_full_calls(served)} calls took '
         'the fast path.')
   if args.json:
     with open(args.json, 'w') as f:
