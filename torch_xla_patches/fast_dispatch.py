@@ -205,8 +205,9 @@ class ServedModel:
     self._capture = capture
     self._capture_lock = threading.Lock()
     # Call key -> the ServedCalls whose guards accepted it, for keys the
-    # first capture's guards refused.
-    self._route: Dict[Hashable, ServedCalls] = {}
+    # first capture's guards refused; None for keys no capture serves
+    # (traced again).
+    self._route: Dict[Hashable, Optional[ServedCalls]] = {}
     # The compile of the buckets, once serve() starts it (see [Note: Ready
     # at once] in serving.py).
     self.warm_up: Optional[Any] = None
