@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -115,3 +116,24 @@ def run_counters(code: str, env: Dict[str, str] = None) -> Dict[str, int]:
       name: int(value)
       for name, value in (line.split() for line in proc.stdout.splitlines())
   }
+
+
+def errors_at_once(fn: Callable[[], Any], threads: int) -> List[Exception]:
+  """Calls `fn` from `threads` threads released together; returns what the
+  calls raised."""
+  barrier = threading.Barrier(threads)
+  errors: List[Exception] = []
+
+  def call():
+    barrier.wait()
+    try:
+      fn()
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  started = [threading.Thread(target=call) for _ in range(threads)]
+  for thread in started:
+    thread.start()
+  for thread in started:
+    thread.join()
+  return errors

@@ -15,7 +15,7 @@ import torch_xla.debug.metrics as met
 
 import torch_xla_patches
 from torch_xla_patches import TensorSpec, compile_window, signature_cache
-from bridge_testing import REPO_ROOT, counters
+from bridge_testing import REPO_ROOT, counters, errors_at_once
 from served_modules import TwoLinear
 
 pytestmark = pytest.mark.usefixtures('patched_bridge')
@@ -120,22 +120,7 @@ def test_eight_threads_ask_for_one_bucket_not_ready(slow_compiles):
   slow = slow_compiles(seconds=0.5)
   cpu, model = models()
   served = torch_xla_patches.serve(model, BUCKETS, wait=False)
-  errors = []
-  barrier = threading.Barrier(8)
-
-  def ask():
-    try:
-      barrier.wait()
-      check(served, cpu, ROWS[-1])
-    except Exception as e:  # pylint: disable=broad-except
-      errors.append(e)
-
-  threads = [threading.Thread(target=ask) for _ in range(8)]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
-  assert errors == []
+  assert errors_at_once(lambda: check(served, cpu, ROWS[-1]), threads=8) == []
   assert served.wait_ready(timeout=60)
   # One compile per bucket, the asked one included.
   assert sorted(slow.rows) == list(ROWS)

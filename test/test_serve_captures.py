@@ -10,7 +10,7 @@ import torch_xla.debug.metrics as met
 
 import torch_xla_patches
 from torch_xla_patches import TensorSpec, artifact, fast_dispatch, serialization
-from bridge_testing import run_reports
+from bridge_testing import errors_at_once, run_reports
 from served_modules import PromptOrStep
 
 pytestmark = pytest.mark.requires('torch_aot_compile')
@@ -62,25 +62,9 @@ def test_a_step_bucket_is_captured_once_and_served_fast(patched_bridge):
 
 
 def test_threads_make_one_capture(patched_bridge):
-  import threading
   cpu, model = models()
   served = torch_xla_patches.serve(model, BUCKETS[:1], wait=True)
-  start = threading.Barrier(4)
-  errors = []
-
-  def step():
-    start.wait()
-    try:
-      check(served, cpu, STEP)
-    except Exception as e:  # pylint: disable=broad-except
-      errors.append(e)
-
-  threads = [threading.Thread(target=step) for _ in range(4)]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
-  assert errors == []
+  assert errors_at_once(lambda: check(served, cpu, STEP), threads=4) == []
   assert len(served.captures()) == 2
   assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
 

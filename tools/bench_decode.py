@@ -869,8 +869,7 @@ def hf_module_table(results: Dict[tuple, Dict[str, Any]],
     for length in lengths:
       r = results[(mode, length)]
       if 'error' in r:
-        lines.append(f'| {mode} | {length} | failed: {r["error"]} ' + '| ' * 7 +
-                     '|')
+        lines.append(_failed_row(lines, (mode, length), r['error']))
         continue
       check = 'ok' if r['tokens_match'] else 'MISMATCH'
       fast = '-' if r['fast_calls'] is None else r['fast_calls']
@@ -950,6 +949,14 @@ def row_main(kind: str, mode: str, size: float, args) -> int:
   return 0
 
 
+def _failed_row(table: Sequence[str], cells: Sequence[Any], error: str) -> str:
+  """A row of `table` (its header and separator lines) for a failed run:
+  its first `cells`, the error, and the rest of the columns empty."""
+  columns = table[1].count('|') - 1
+  return ('| ' + ' | '.join(str(c) for c in cells) + f' | failed: {error} ' +
+          '| ' * (columns - len(cells) - 1) + '|')
+
+
 def _fmt(value: Optional[float], digits: int = 2) -> str:
   """A number for the tables; '-' for None."""
   return '-' if value is None else f'{value:.{digits}f}'
@@ -969,8 +976,7 @@ def paged_table(results: Dict[tuple, Dict[str, Any]],
     for size in sizes:
       r = results[(mode, size)]
       if 'error' in r:
-        lines.append(f'| {mode} | {size:g} | failed: {r["error"]} ' +
-                     '| ' * 10 + '|')
+        lines.append(_failed_row(lines, (mode, f'{size:g}'), r['error']))
         continue
       ratio, growth = '-', '-'
       if size != sizes[0] and 'error' not in small:
@@ -998,8 +1004,7 @@ def floor_table(results: Dict[tuple, Dict[str, Any]]) -> List[str]:
   ]
   for (size, other_live), r in results.items():
     if 'error' in r:
-      lines.append(f'| {size:g} | {other_live} | failed: {r["error"]} ' +
-                   '| ' * 8 + '|')
+      lines.append(_failed_row(lines, (f'{size:g}', other_live), r['error']))
       continue
     check = 'same' if r['max_diff'] == 0 else f'DIFFER ({r["max_diff"]:.1e})'
     lines.append(f'| {r["cache_mib"]:g} | {other_live} | '
@@ -1027,8 +1032,7 @@ def hf_table(results: Dict[tuple, Dict[str, Any]],
     for length in lengths:
       r = results[(mode, length)]
       if 'error' in r:
-        lines.append(f'| {mode} | {length} | failed: {r["error"]} ' + '| ' * 7 +
-                     '|')
+        lines.append(_failed_row(lines, (mode, length), r['error']))
         continue
       ratio = '-'
       if length != lengths[0] and 'error' not in short:

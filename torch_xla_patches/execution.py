@@ -31,9 +31,11 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # compile of a new signature lets it go where it can (see [Note: Compiles
 # outside the lock] in signature_cache.py), and so does the sync of a new
 # signature's own inputs (sync_before_the_lock), so that calls of compiled
-# programs go on meanwhile. The lock is never taken while dynamo traces
-# (nothing here runs under dynamo's compile lock), so the two cannot
-# deadlock. Other threads build lazy IR without the lock (a request's
+# programs go on meanwhile. The lock comes before dynamo's compile lock,
+# never after it: a capture (see [Note: What reads the model's tensors] in
+# serialization.py) and a trace's restore (see [Note: Restores and dynamo's
+# compiles] in tracing.py) take them in that order, and nothing run under
+# dynamo's compile lock waits for this one, so the two cannot deadlock. Other threads build lazy IR without the lock (a request's
 # inputs) at any time, and torch_xla's sync of every live tensor
 # (torch_xla.sync()) races with them (measured: "Check failed:
 # data()->tensor_data" reading the shape of a tensor another thread had just

@@ -304,9 +304,11 @@ class ServedCalls:
   """Every call of one served model, from its key to its result.
 
   [Note: One served call]
-  A call reads top to bottom in __call__:
+  A call reads top to bottom in ServedModel.__call__, then `call`:
     1. its key and leaves (call_spec.call_key), computed once, before
-       anything runs (a run marks an unsharded SPMD input replicated);
+       anything runs (a run marks an unsharded SPMD input replicated), and
+       the capture its key was routed to (see [Note: One capture per guard
+       set] in serving.py);
     2. the fast path, if what dynamo's guards protect is known unchanged
        (see [Note: Served fast path]) and the key has a learned run: the
        run, on the signature's BoundProgram where the program can be bound,
@@ -381,10 +383,6 @@ class ServedCalls:
   def learned_keys(self) -> int:
     """How many call keys have a learned run."""
     return len(self._learned.runs)
-
-  def __call__(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
-    return self.call(args, kwargs,
-                     *call_spec.call_key(args, kwargs, self.sharding_of))
 
   def call(self, args: tuple, kwargs: Dict[str, Any], key: Optional[Hashable],
            leaves: Sequence[Any]) -> Any:

@@ -12,9 +12,10 @@ With a cache directory, serve() keeps one artifact per ServeKey (see [Note:
 Serve key]) in <cache_dir>/serve/, named <model>-<key digest>.xla_aot, with
 the key's parts in its header. A process that finds the artifact of its key
 loads it (no dynamo frame), checks that the guards of one of its captures
-accept each bucket (see [Note: One capture per guard set]), compiles the buckets, and the signatures recorded in the artifact
-and the signature index wait in the graph's backlog as any restart's do (see
-[Note: Replaying recorded signatures]). A process that does not (first
+accept each bucket (see [Note: One capture per guard set]), compiles the
+buckets, and the signatures recorded in the artifact and the signature
+index wait in the graph's backlog as any restart's do (see [Note: Replaying
+recorded signatures]). A process that does not (first
 start, another configuration, edited source, other versions, a damaged
 file, an artifact whose guards refuse its own buckets) logs one line with
 the reason (for a missing key, the parts the closest artifact of the model
