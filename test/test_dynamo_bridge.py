@@ -2,6 +2,7 @@
 in-place updates, special outputs, CPU fallback, modes and bad input."""
 import logging
 import sys
+import threading
 
 import pytest
 import torch
@@ -165,6 +166,60 @@ def test_cpu_fallback_op_is_never_a_stale_constant(op):
 
   compiled = compile_dynamic(fn)
   for n in [3, 4, 3, 4, 3]:
+    x = torch.randn(n, 5)
+    torch.testing.assert_close(compiled(xla(x)).cpu(), fn(x))
+  assert counters()['DynamoCpuFallbackPartition'] == 1
+
+
+def _with_fallback_of_another_thread(monkeypatch):
+  """Makes the look-ahead run of the first node of each graph wait, in the
+  node, for another thread's CPU fallback op (an `.item()`)."""
+  from torch_xla_patches import dynamo_bridge
+  run_node = dynamo_bridge.UnsupportedNodesCollector.run_node
+  done = []
+
+  def run_node_beside_a_fallback(self, n):
+    if n.op == 'call_function' and not done:
+      done.append(n)
+      other = threading.Thread(target=lambda: int(xla(torch.ones(2)).sum()))
+      other.start()
+      other.join()
+    return run_node(self, n)
+
+  monkeypatch.setattr(dynamo_bridge.UnsupportedNodesCollector, 'run_node',
+                      run_node_beside_a_fallback)
+  return done
+
+
+def test_another_threads_fallback_leaves_the_graph_whole(monkeypatch):
+  # See [Note: Fallback ops of this thread]: the fallback counters are the
+  # process's; another thread's `.item()` is no fallback of this graph.
+  done = _with_fallback_of_another_thread(monkeypatch)
+
+  def fn(x):
+    return (x * 2).cos() + x.shape[0]
+
+  compiled = compile_dynamic(fn)
+  x = torch.randn(3, 5)
+  torch.testing.assert_close(compiled(xla(x)).cpu(), fn(x))
+  assert done
+  assert counters()['DynamoCpuFallbackPartition'] == 0
+
+
+def test_a_fallback_inside_a_kernel_is_found_by_a_second_run(monkeypatch):
+  # An op one of torch_xla's kernels runs inside another reaches no
+  # dispatch mode: the node's second run changes the counter again.
+  from torch_xla_patches import dynamo_bridge
+  monkeypatch.setattr(dynamo_bridge._OpsOfThisThread,
+                      '__torch_dispatch__',
+                      lambda self, func, types, args=(), kwargs=None: func(
+                          *args, **(kwargs or {})))
+
+  def fn(x):
+    return torch.logcumsumexp(x, dim=0) * 2 + x.shape[0]
+
+  compiled = compile_dynamic(fn)
+  for n in [3, 4, 3]:
     x = torch.randn(n, 5)
     torch.testing.assert_close(compiled(xla(x)).cpu(), fn(x))
   assert counters()['DynamoCpuFallbackPartition'] == 1

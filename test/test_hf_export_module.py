@@ -99,7 +99,6 @@ def test_generate_with_a_static_cache_on_a_compiled_forward(patched_bridge):
 if __name__ == '__main__':
   sys.exit(pytest.main([__file__, '-q']))
 
-
 SERVE_SCRIPT = r'''
 import json, sys
 sys.path.insert(0, TEST_DIR)

@@ -284,3 +284,35 @@ def test_without_aot_compile_serve_uses_torch_compile_and_says_so_once(
   restart, _ = serve_in_process(model_dir, cache_dir)
   assert (restart['frames'], restart['compiles']) == (1, 5)
   assert not os.path.exists(os.path.join(cache_dir, 'serve'))
+
+
+class CountsItsCalls(torch.nn.Module):
+  """Updates a buffer in the middle of its forward, between two reads of it,
+  around an op torch_xla runs on the CPU (logcumsumexp)."""
+
+  def __init__(self):
+    super().__init__()
+    self.register_buffer('calls', torch.zeros((), dtype=torch.long))
+
+  def forward(self, x):
+    before = self.calls * 1
+    self.calls.add_(1)
+    return torch.logcumsumexp(x, dim=0) * before + self.calls
+
+
+def test_a_fallback_graph_that_updates_its_inputs_runs_eagerly(patched_bridge):
+  # See [Note: Graphs that cannot be split] in dynamo_bridge.py.
+  from torch_xla_patches import versions
+  cpu = CountsItsCalls()
+  model = CountsItsCalls().to(torch_xla.device())
+  served = torch_xla_patches.serve(model, [(TensorSpec((4, 3)),)], wait=True)
+  # The warm-up compiles without running: the buffer is as it was.
+  assert int(model.calls.cpu()) == 0
+  torch.manual_seed(0)
+  for n in [4, 4, 5, 4]:
+    x = torch.randn(n, 3)
+    torch.testing.assert_close(served(x.to(torch_xla.device())).cpu(), cpu(x))
+  assert int(model.calls.cpu()) == int(cpu.calls) == 4
+  if versions.has_torch_aot_compile():
+    # serve()'s capture keeps the update where the model makes it.
+    assert met.counter_value('DynamoCpuFallbackEager') == 1

@@ -16,6 +16,9 @@ COUNTER_MISS = 'DynamoSignatureMiss'  # a new signature was traced + compiled
 COUNTER_RETRACE = 'DynamoEvictedRetrace'  # XLA evicted a program; re-traced
 COUNTER_DROPPED = 'DynamoSignatureDropped'  # over the cap, LRU entry dropped
 COUNTER_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'  # graph partitioned
+# A graph with CPU fallback ops that updates its inputs before its end, run
+# eagerly instead (see [Note: Graphs that cannot be split] in dynamo_bridge.py).
+COUNTER_FALLBACK_EAGER = 'DynamoCpuFallbackEager'
 # See [Note: Donating in-place updates] in donation.py: an argument updated in
 # place whose buffer the program takes over (counted once per traced signature),
 # ...

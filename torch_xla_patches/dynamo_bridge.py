@@ -8,17 +8,19 @@ execution.py (the execution lock, runs, syncs), program_run.py (one run of a
 compiled program), compile_window.py, signature_cache.py, bound_program.py
 and counters.py. The Notes state what each part guarantees.
 """
+import logging
 import operator
 import warnings
 
 import itertools
 import os
-from typing import Any, Dict, Hashable, List, Sequence
+from typing import Any, Dict, Hashable, List, Sequence, Set
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 from torch.fx.passes.utils.fuser_utils import topo_sort
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Defined by torch_xla's bridge; its callers (torch_xla/stablehlo.py, tests)
 # find them in the bridge module, so this one offers them too.
@@ -29,6 +31,7 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
 from torch_xla._dynamo import config as upstream_config
 from torch_xla_patches import compile_window, tracing
 from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
+                                        COUNTER_FALLBACK_EAGER,
                                         COUNTER_FALLBACK_PARTITION,
                                         COUNTER_RETRACE, increment_counter)
 from torch_xla_patches.donation import (count_epilogue_updates,
@@ -49,6 +52,8 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 import torch_xla.runtime as xr
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
+
+logger = logging.getLogger('torch_xla_patches.bridge')
 
 dynamo_debug = int(os.environ.get('XLA_DYNAMO_DEBUG', '0')) == 1
 ptxla_debug = int(os.environ.get('PT_XLA_DEBUG', '0')) == 1
@@ -174,8 +179,24 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   return optimized_mod
 
 
+# [Note: Fallback ops of this thread]
+# torch_xla counts the ops that fall back to the CPU in counters of the
+# process, which every thread bumps. A node of a graph is unsupported when
+# its look-ahead run bumped one itself, which another thread's fallback (a
+# server thread's `.item()` while a new graph is looked at) must not pass
+# for: the graph would be split around a node that never fell back. So a
+# node is unsupported when a fallback counter changed during its run and
+#   * the counter names an op the node ran on this thread (a dispatch mode
+#     is the thread's own, and sees the ops that reach torch_xla's kernels,
+#     as the counters name them), or
+#   * the counter changes again when the node runs a second time: an op
+#     that one of torch_xla's kernels runs inside another, which the mode
+#     does not see.
+# A change of neither kind is another thread's.
+
+
 class _FallbackCounterWatch:
-  """Tells whether an op fell back to the CPU since the last look."""
+  """Tells which fallback counters changed since the last look."""
 
   def __init__(self):
     self._seen = self._snapshot()
@@ -187,11 +208,29 @@ class _FallbackCounterWatch:
         for name in metrics.executed_fallback_ops()
     }
 
-  def fell_back(self) -> bool:
+  def changed(self) -> Set[str]:
     now = self._snapshot()
-    changed = now != self._seen
+    names = {
+        name for name, value in now.items() if self._seen.get(name) != value
+    }
     self._seen = now
-    return changed
+    return names
+
+
+class _OpsOfThisThread(TorchDispatchMode):
+  """Names each aten op this thread runs while the mode is on, as
+  torch_xla's fallback counters name them (see [Note: Fallback ops of this
+  thread])."""
+
+  def __init__(self):
+    super().__init__()
+    self.names: Set[str] = set()
+
+  def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    schema = getattr(func, '_schema', None)
+    if schema is not None:
+      self.names.add(schema.name)
+    return func(*args, **(kwargs or {}))
 
 
 def _all_on_xla(value: Any) -> bool:
@@ -204,7 +243,8 @@ def _all_on_xla(value: Any) -> bool:
 
 class UnsupportedNodesCollector(torch.fx.Interpreter):
   """Runs the graph node by node, noting nodes XLA cannot compile: CPU
-  fallback ops and nodes with non-XLA tensor inputs or outputs.
+  fallback ops of this thread (see [Note: Fallback ops of this thread]) and
+  nodes with non-XLA tensor inputs or outputs.
 
   It compares fallback counters between nodes without clearing them, so
   user-visible counters survive the first call.
@@ -214,6 +254,19 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
     super().__init__(module)
     self._unsupported_nodes: List[torch.fx.Node] = []
     self._watch = _FallbackCounterWatch()
+    self._ops = _OpsOfThisThread()
+    # Whether a node updated an input in place (the `copy_` updates at the
+    # graph's end are not run; see [Note: Input updates in a partitioned
+    # graph]).
+    self.updates_inputs_before_end = False
+
+  def run(self, *args, **kwargs):
+    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    versions = [t._version for t in inputs]
+    with self._ops:
+      result = super().run(*args, **kwargs)
+    self.updates_inputs_before_end = versions != [t._version for t in inputs]
+    return result
 
   def run_node(self, n: torch.fx.Node):
     if _is_input_update(n):
@@ -223,14 +276,28 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
       if not _all_on_xla(args):
         self._unsupported_nodes.append(n)
       return args[0]
+    self._ops.names.clear()
     result = super().run_node(n)
     if n.op in ('placeholder', 'output'):
       return result
+    changed = self._watch.changed()
     args, kwargs = self.fetch_args_kwargs_from_env(n)
-    if (self._watch.fell_back() or not _all_on_xla(result) or
-        not _all_on_xla(list(itertools.chain(args, kwargs.values())))):
+    if (not _all_on_xla(result) or
+        not _all_on_xla(list(itertools.chain(args, kwargs.values()))) or
+        self._fell_back(n, args, kwargs, changed)):
       self._unsupported_nodes.append(n)
     return result
+
+  def _fell_back(self, n: torch.fx.Node, args: Any, kwargs: Any,
+                 changed: Set[str]) -> bool:
+    """Whether `n`, just run on XLA inputs while the fallback counters
+    `changed` changed, fell back to the CPU on this thread (see [Note:
+    Fallback ops of this thread])."""
+    if not changed or changed & self._ops.names:
+      return bool(changed)
+    # Another thread's, or one run inside a kernel: a second run tells.
+    getattr(self, n.op)(n.target, args, kwargs)
+    return bool(self._watch.changed() & changed)
 
   def get_unsupported_nodes(self) -> List[torch.fx.Node]:
     return self._unsupported_nodes
@@ -361,13 +428,29 @@ def _run_last(graph: torch.fx.Graph, names: Sequence[str]) -> None:
       last.append(node)
 
 
-def _find_unsupported_nodes(xla_model: torch.fx.GraphModule,
-                            xla_args: Sequence[Any]) -> List[torch.fx.Node]:
+def _look_ahead(xla_model: torch.fx.GraphModule,
+                xla_args: Sequence[Any]) -> UnsupportedNodesCollector:
+  """Runs `xla_model` on `xla_args` node by node, leaving the arguments as
+  they were; the collector tells what the run found."""
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
   collector = UnsupportedNodesCollector(xla_model)
   with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
     collector.run(*xla_args)
-  return collector.get_unsupported_nodes()
+  return collector
+
+
+# [Note: Graphs that cannot be split]
+# A graph dynamo hands over without AOTAutograd (serve()'s captures) keeps
+# its in-place updates where the model makes them: a StaticCache's
+# `cumulative_length.add_` between the reads of it that place the new keys.
+# The partitioner orders nodes by their data dependencies alone, so a part
+# could read an input after another part has updated it. A graph with CPU
+# fallback ops whose look-ahead run updated an input before the graph's end
+# is therefore not split: it runs eagerly, node by node on lazy tensors, as
+# the model would without torch.compile (counted as COUNTER_FALLBACK_EAGER;
+# logged once per graph). Its answers are right; it compiles one XLA program
+# per call. A compile-only call (see [Note: Compile-only calls] in
+# execution.py) stops before running it: nothing of it is compiled ahead.
 
 
 def _check_args(xla_args: Sequence[Any]) -> None:
@@ -390,6 +473,19 @@ def _check_args(xla_args: Sequence[Any]) -> None:
       check_scalar_input(index, arg)
 
 
+def _run_eagerly(xla_model: torch.fx.GraphModule):
+  """`xla_model` run node by node on each call (see [Note: Graphs that
+  cannot be split])."""
+
+  def run_eagerly(*args):
+    if execution.compiling_only():
+      raise execution.CompiledNotRun(None)
+    with execution.execution_lock:
+      return xla_model(*args)
+
+  return run_eagerly
+
+
 def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   # Sync functional wrappers so each argument's value reference is current.
   for arg in xla_args:
@@ -405,7 +501,17 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   # Make CPU tensor constructors in the graph create XLA tensors.
   XLAConstructorMoverPass()(xla_model.graph)
 
-  unsupported_nodes = _find_unsupported_nodes(xla_model, xla_args)
+  look_ahead = _look_ahead(xla_model, xla_args)
+  unsupported_nodes = look_ahead.get_unsupported_nodes()
+  if unsupported_nodes and look_ahead.updates_inputs_before_end:
+    # See [Note: Graphs that cannot be split].
+    increment_counter(COUNTER_FALLBACK_EAGER, 1)
+    logger.warning(
+        'torch_xla_patches: a graph with CPU fallback ops (%s) updates its '
+        'inputs in place before its end; it runs eagerly, without a '
+        'compiled program',
+        ', '.join(str(n.target) for n in unsupported_nodes[:3]))
+    return _run_eagerly(xla_model)
   if unsupported_nodes:
     return partition_fx_graph_for_cpu_fallback(xla_model, xla_args,
                                                unsupported_nodes)
