@@ -747,15 +747,20 @@ class CachedDecoder(torch.nn.Module):
   cache, which it updates in place (transformers' static-cache decode loop,
   in a module so that serve() can take it)."""
 
-  def __init__(self, model: torch.nn.Module, cache_len: int, device: Any):
+  def __init__(self,
+               model: torch.nn.Module,
+               cache_len: int,
+               device: Any,
+               batch: int = 1):
     super().__init__()
     import transformers
     self.model = model
     self.cache = transformers.StaticCache(config=model.config,
                                           max_cache_len=cache_len)
-    # Allocates the cache's tensors on the device, as a first prefill would.
+    # Allocates the cache's tensors on the device (`batch` rows), as a first
+    # prefill would.
     with torch.no_grad():
-      model(input_ids=torch.tensor([[0]], device=device),
+      model(input_ids=torch.zeros((batch, 1), dtype=torch.long, device=device),
             past_key_values=self.cache,
             cache_position=torch.tensor([0], device=device),
             use_cache=True)
