@@ -78,3 +78,35 @@ class PromptOrStep(torch.nn.Module):
     if x.size(1) > 1:
       return y.cumsum(dim=1)
     return y * 2
+
+
+class ForwardState:
+  """Module-level state a forward sets for its duration and puts back, as
+  transformers' output capturing and kernels' active functions do."""
+
+  def __init__(self):
+    self.active = None
+    self.compiling = False
+    self.calls = 0
+
+
+FORWARD_STATE = ForwardState()
+
+
+class SetsStateBack(torch.nn.Module):
+
+  def __init__(self, width=8, count_calls=False):
+    super().__init__()
+    self.proj = torch.nn.Linear(width, width)
+    self.count_calls = count_calls
+
+  def forward(self, x):
+    previous = FORWARD_STATE.active
+    FORWARD_STATE.active = 'forward'
+    FORWARD_STATE.compiling = True
+    y = self.proj(x) * 2
+    FORWARD_STATE.active = previous
+    FORWARD_STATE.compiling = False
+    if self.count_calls:
+      FORWARD_STATE.calls += 1
+    return y

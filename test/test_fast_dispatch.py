@@ -1,5 +1,6 @@
 """The fast path of served calls: after every change dynamo's guards would
 see, the result equals eager and the counters say which path served it."""
+import functools
 import os
 
 import pytest
@@ -10,6 +11,8 @@ from hypothesis import given, strategies as st
 
 import torch_xla_patches
 from torch_xla_patches import TensorSpec, call_plan, call_spec, config, fast_dispatch
+
+import served_modules
 
 pytestmark = pytest.mark.requires('torch_aot_compile')
 
@@ -551,3 +554,56 @@ def test_aliased_arguments_take_the_full_path(patched_bridge):
   }
   # A call that passes one tensor twice has no key.
   assert call_spec.call_key((x, x), {}) == (None, [x, x])
+
+
+def test_global_state_the_forward_sets_back_keeps_the_fast_path(patched_bridge):
+  # dynamo replays the forward's last writes of the module-level state
+  # after the graph; they write what was there, so the fast path stands in
+  # for them while that state is as the learned call found it (see [Note:
+  # Global state the captured code sets back] in call_plan.py).
+  state = served_modules.FORWARD_STATE
+  cpu, _, served = served_model(served_modules.SetsStateBack, [(TensorSpec(
+      (4, WIDTH), torch.float32),)])
+  assert served.calls.disabled_reason is None
+  paths = Paths(served)
+  for _ in range(3):
+    check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {'fast': 3}
+  assert (state.active, state.compiling) == (None, False)
+  # State changed by someone else: the full path, whose guards see it, and
+  # the forward puts back what it found.
+  state.active = 'caller'
+  try:
+    check(served, cpu, torch.randn(4, WIDTH))
+    assert state.active == 'caller'
+    counted = paths.since_last()
+    assert counted[fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE] == 1
+    assert 'fast' not in counted
+  finally:
+    state.active = None
+  # dynamo's guards hold the state's value: the call above made a capture
+  # of its own, which its key now leads to; that capture's learned state
+  # is not today's, so the full path, where the first capture's guards
+  # accept the call, and from then on its fast path.
+  assert len(served.captures()) == 2
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {fast_dispatch.COUNTER_FALLBACK_GLOBAL_STATE: 1}
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {'fast': 1}
+  assert (state.active, state.compiling) == (None, False)
+
+
+def test_global_state_the_forward_changes_keeps_the_full_path(patched_bridge):
+  # A counter the forward increments is written as a constant dynamo's
+  # guards chose: no fast call may skip that write.
+  state = served_modules.FORWARD_STATE
+  state.calls = 0
+  cpu, _, served = served_model(functools.partial(served_modules.SetsStateBack,
+                                                  count_calls=True),
+                                [(TensorSpec((4, WIDTH), torch.float32),)],
+                                first_calls=False)
+  for _ in range(3):
+    check(served, cpu, torch.randn(4, WIDTH))
+  # Three served calls and three of the CPU copy.
+  assert state.calls == 6
+  assert served.fast_calls == 0

@@ -104,6 +104,10 @@ def test_a_served_static_cache_decodes_as_eager_twice():
   assert all(t.abs().sum() > 0 for t in written)
   decoder.cache.reset()
   assert greedy(served, device) == expected
+  # Each bucket's first call takes the full path; every other call is fast,
+  # past the global state transformers sets back (see [Note: Global state
+  # the captured code sets back] in call_plan.py).
+  assert served.fast_calls == 2 * NEW_TOKENS - 2
 
 
 def test_a_static_cache_under_torch_compile_decodes_as_eager():

@@ -38,11 +38,27 @@ _PLAIN_ATTRIBUTES = frozenset({
 _PLAIN_GLOBAL_PREFIXES = ('__compiled_fn', '__import_torch_dot__dynamo_dot_')
 
 
-def check_captured_code(code: Any) -> None:
-  """Raises PlanError naming the first instruction of `code` the fast path
-  cannot stand in for (see [Note: Captured code the fast path can stand in
-  for])."""
-  for instruction in dis.get_instructions(code):
+def check_captured_code(code: Any) -> Tuple['GlobalPath', ...]:
+  """The global state the fast path must find unchanged to stand in for
+  `code` (see [Note: Global state the captured code sets back]); () for
+  code that only reads arguments, calls the graph and builds the result.
+  Raises PlanError naming the first instruction it cannot stand in for
+  (see [Note: Captured code the fast path can stand in for])."""
+  instructions = list(dis.get_instructions(code))
+  first = _first_unplain(instructions)
+  if first is None:
+    return ()
+  epilogue = next((index + 1
+                   for index, instruction in enumerate(instructions)
+                   if instruction.opname == 'STORE_FAST' and
+                   str(instruction.argval).startswith('graph_out')), None)
+  if epilogue is None or _first_unplain(instructions[:epilogue]) is not None:
+    raise _does_more(first)
+  return _set_back_paths(instructions[epilogue:])
+
+
+def _first_unplain(instructions: Sequence[Any]) -> Optional[Any]:
+  for instruction in instructions:
     name, argument = instruction.opname, instruction.argval
     if name in _PLAIN_OPCODES:
       continue
@@ -51,8 +67,178 @@ def check_captured_code(code: Any) -> None:
     if name == 'LOAD_GLOBAL' and str(argument).startswith(
         _PLAIN_GLOBAL_PREFIXES):
       continue
-    raise PlanError(f'the captured code does more than call the graph '
-                    f'({name} {argument!r} at offset {instruction.offset})')
+    return instruction
+  return None
+
+
+def _does_more(instruction: Any) -> PlanError:
+  return PlanError(f'the captured code does more than call the graph '
+                   f'({instruction.opname} {instruction.argval!r} at offset '
+                   f'{instruction.offset})')
+
+
+# [Note: Global state the captured code sets back]
+# A forward may set module-level state and put it back before it returns
+# (transformers' output capturing and kernels' active functions, set for the
+# forward's duration). dynamo replays the last value of each such attribute
+# after the graph: the captured code ends with stores of constants, and of
+# values read from the same globals, into attributes of globals. Skipping
+# them changes nothing when they write what is there already. So the fast
+# path stands in for such code when
+#   * before the graph's outputs are stored, the code is plain (see [Note:
+#     Captured code the fast path can stand in for]), and after it, it only
+#     loads globals, their attributes and constants, moves them on the stack
+#     and stores them into attributes of globals (GlobalPath), with no call;
+#   * the full call it learns from leaves every attribute those stores read
+#     or write, and the objects they write into, as it found them (the same
+#     objects); and
+#   * at each fast call they are still those objects.
+# Then the stores the full path would make write the values found at
+# learning, which were the values already there: skipping them leaves the
+# state as the full path would. A call that finds one changed takes the full
+# path (COUNTER_FALLBACK_GLOBAL_STATE).
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalPath:
+  """A global of the captured code and the attributes read from it in
+  turn: ('__import_transformers_dot_utils', '_active_collector')."""
+  names: Tuple[str, ...]
+
+  def attribute(self, name: str) -> 'GlobalPath':
+    return GlobalPath(self.names + (name,))
+
+  def value(self, globals_: Dict[str, Any]) -> Any:
+    """What the path reads now; raises KeyError or AttributeError when a
+    part of it is gone."""
+    value = globals_[self.names[0]]
+    for name in self.names[1:]:
+      value = getattr(value, name)
+    return value
+
+  def describe(self) -> str:
+    return '.'.join(self.names)
+
+
+@dataclasses.dataclass(frozen=True)
+class SetBackState:
+  """The global state a fast call must find as the full call it was learned
+  from found it (see [Note: Global state the captured code sets back]).
+
+  Args:
+    paths: what check_captured_code returned.
+    globals_: the globals the captured code runs with.
+  """
+  paths: Tuple[GlobalPath, ...]
+  globals_: Dict[str, Any]
+
+  def values(self) -> Optional[Tuple[Any, ...]]:
+    """What the paths read now; None when a part of one is gone."""
+    try:
+      return tuple(path.value(self.globals_) for path in self.paths)
+    except (KeyError, AttributeError):
+      return None
+
+  def unchanged_since(self, values: Optional[Tuple[Any, ...]]) -> bool:
+    """Whether each path reads the same object as it read into `values`."""
+    now = self.values()
+    return (now is not None and values is not None and
+            all(a is b for a, b in zip(now, values)))
+
+  def describe_changes(self, values: Optional[Tuple[Any, ...]]) -> str:
+    now = self.values()
+    if now is None or values is None:
+      return 'a global it sets back is gone'
+    return ', '.join(path.describe()
+                     for path, a, b in zip(self.paths, values, now)
+                     if a is not b)
+
+
+# An abstract stack value of an epilogue that is neither a constant nor a
+# global path: the graph's outputs, the call's arguments, the result.
+_OTHER = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Constant:
+  value: Any
+
+
+# Epilogue opcodes that only build the result: opcode -> how many values it
+# pops (a function of its argument) and whether it pushes one.
+_RESULT_OPCODES = {
+    'BUILD_LIST': (lambda n: n, True),
+    'BUILD_TUPLE': (lambda n: n, True),
+    'BUILD_MAP': (lambda n: 2 * n, True),
+    'BUILD_CONST_KEY_MAP': (lambda n: n + 1, True),
+    'LIST_EXTEND': (lambda n: 1, False),
+    'LIST_APPEND': (lambda n: 1, False),
+    'LIST_TO_TUPLE': (lambda n: 1, True),
+    'BINARY_SUBSCR': (lambda n: 2, True),
+}
+
+
+def _set_back_paths(epilogue: Sequence[Any]) -> Tuple[GlobalPath, ...]:
+  """Every GlobalPath the epilogue's stores read, write or write into, if
+  it only sets global state from constants and globals (see [Note: Global
+  state the captured code sets back]); raises PlanError otherwise."""
+  stack: List[Any] = []
+  local_values: Dict[str, Any] = {}
+  paths: Dict[GlobalPath, None] = {}
+
+  def pop(instruction):
+    if not stack:
+      raise _does_more(instruction)
+    return stack.pop()
+
+  for instruction in epilogue:
+    name, argument = instruction.opname, instruction.argval
+    if name in ('RESUME', 'NOP', 'CACHE', 'DELETE_FAST'):
+      continue
+    if name in ('RETURN_VALUE', 'RETURN_CONST'):
+      break
+    if name == 'LOAD_GLOBAL':
+      if instruction.arg & 1:
+        stack.append(_OTHER)  # the NULL before a callable
+      stack.append(GlobalPath((argument,)))
+    elif name == 'LOAD_ATTR':
+      value = pop(instruction)
+      stack.append(
+          value.attribute(argument) if isinstance(value, GlobalPath) else _OTHER
+      )
+    elif name == 'LOAD_CONST':
+      stack.append(_Constant(argument))
+    elif name == 'LOAD_FAST':
+      stack.append(local_values.get(argument, _OTHER))
+    elif name == 'STORE_FAST':
+      local_values[argument] = pop(instruction)
+    elif name == 'COPY':
+      if len(stack) < argument:
+        raise _does_more(instruction)
+      stack.append(stack[-argument])
+    elif name == 'SWAP':
+      if len(stack) < argument:
+        raise _does_more(instruction)
+      stack[-1], stack[-argument] = stack[-argument], stack[-1]
+    elif name == 'POP_TOP':
+      pop(instruction)
+    elif name == 'STORE_ATTR':
+      target, value = pop(instruction), pop(instruction)
+      if not isinstance(target, GlobalPath) or value is _OTHER:
+        raise _does_more(instruction)
+      paths[target] = None
+      paths[target.attribute(argument)] = None
+      if isinstance(value, GlobalPath):
+        paths[value] = None
+    elif name in _RESULT_OPCODES:
+      count, pushes = _RESULT_OPCODES[name]
+      for _ in range(count(argument or 0)):
+        pop(instruction)
+      if pushes:
+        stack.append(_OTHER)
+    else:
+      raise _does_more(instruction)
+  return tuple(paths)
 
 
 @dataclasses.dataclass(frozen=True)

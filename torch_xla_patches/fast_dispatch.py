@@ -357,10 +357,16 @@ class ServedCalls:
     native.helpers()
     # Why there is no fast path, once known for good (the captured code).
     self.disabled_reason: Optional[str] = None
+    paths: Tuple[call_plan.GlobalPath, ...] = ()
     try:
-      call_plan.check_captured_code(compiled.transformed_code)
+      paths = call_plan.check_captured_code(compiled.transformed_code)
     except call_plan.PlanError as e:
       self._disable(str(e))
+    # What the captured code sets back after the graph, which a fast call
+    # must find as it was (see [Note: Global state the captured code sets
+    # back] in call_plan.py).
+    self._set_back = call_plan.SetBackState(
+        paths, compiled.captured_globals if paths else {})
     self._learned = _Learned.NOTHING
     # Watched from the start: a change during the first full call (the
     # warm-up compiles without running, so learns nothing) must be seen.
@@ -418,6 +424,10 @@ class ServedCalls:
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._forget(learned)
       return None
+    if (learned.set_back and
+        not self._set_back.unchanged_since(learned.set_back)):
+      _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
+      return None
     if config.serve_check_bound_tensors and not learned.bound_check():
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._changed_behind = learned.bound_check
@@ -460,6 +470,7 @@ class ServedCalls:
     # What learning is checked against, read before the guards run.
     generation = module_watch.generation
     global_states = _global_states()
+    set_back = self._set_back.values() if self._set_back.paths else ()
     compiled = self.compiled
     if not compiled.guard_check(*args, **kwargs):
       if self._refused is not None:
@@ -471,7 +482,8 @@ class ServedCalls:
       result = compiled.call_checked(*args, **kwargs)
     if (self.disabled_reason is None and len(calls) == 1 and key is not None and
         module_watch.installed):
-      self._learn(key, leaves, result, calls[0], generation, global_states)
+      self._learn(key, leaves, result, calls[0], generation, global_states,
+                  set_back)
     return result
 
   def _refuse_changed_behind(self) -> None:
@@ -513,12 +525,19 @@ class ServedCalls:
 
   def _learn(self, key: Hashable, leaves: Sequence[Any], result: Any,
              call: Tuple[tuple, tuple], generation: int,
-             global_states: Tuple[Any, Any]) -> None:
+             global_states: Tuple[Any, Any], set_back: Tuple[Any, ...]) -> None:
     """Learns the run of `key` from a full call, accepted by dynamo's
-    guards, that called the graph once as `call` shows; `generation` and
-    `global_states` were read before the guards ran."""
+    guards, that called the graph once as `call` shows; `generation`,
+    `global_states` and `set_back` were read before the guards ran."""
     with execution.execution_lock:
       if module_watch.generation != generation:
+        return
+      if self._set_back.paths and not self._set_back.unchanged_since(set_back):
+        # The call changed global state the captured code sets back: the
+        # fast path cannot stand in for it (see [Note: Global state the
+        # captured code sets back] in call_plan.py).
+        self._say_no_plan('the call changed ' +
+                          self._set_back.describe_changes(set_back))
         return
       learned = self._learned
       if learned.generation != generation:
@@ -541,12 +560,7 @@ class ServedCalls:
       except call_plan.PlanError as e:
         # Learned again from the next full call.
         self._learned = _Learned.NOTHING
-        if str(e) != self._last_plan_error:
-          self._last_plan_error = str(e)
-          logger.info(
-              'torch_xla_patches.serve: no fast path for calls of %s like '
-              'this one yet: %s',
-              type(self._model).__name__, e)
+        self._say_no_plan(str(e))
         return
       runs = dict(learned.runs)
       runs[key] = run
@@ -557,7 +571,16 @@ class ServedCalls:
                                global_states=global_states,
                                plan=plan,
                                bound_check=bound_check,
-                               runs=runs)
+                               runs=runs,
+                               set_back=set_back)
+
+  def _say_no_plan(self, reason: str) -> None:
+    if reason != self._last_plan_error:
+      self._last_plan_error = reason
+      logger.info(
+          'torch_xla_patches.serve: no fast path for calls of %s like this '
+          'one yet: %s',
+          type(self._model).__name__, reason)
 
   def _make_run(self, plan: call_plan.ArgumentPlan, leaves: Sequence[Any],
                 result: Any, call: Tuple[tuple, tuple]) -> '_Run':
@@ -611,12 +634,16 @@ class _Learned:
     plan: where the graph's arguments come from.
     bound_check: whether the plan's bound tensors keep their metadata.
     runs: call key -> its run, oldest first.
+    set_back: what the global state the captured code sets back read
+      before the full calls (see [Note: Global state the captured code sets
+      back] in call_plan.py); () when it sets nothing back.
   """
   generation: int
   global_states: Tuple[Any, ...]
   plan: Optional[call_plan.ArgumentPlan]
   bound_check: 'call_plan.BoundTensorCheck'
   runs: Dict[Hashable, _Run]
+  set_back: Tuple[Any, ...] = ()
 
 
 _Learned.NOTHING = _Learned(generation=-1,

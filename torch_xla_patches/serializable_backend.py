@@ -200,8 +200,11 @@ class XlaSerializableCallable(SerializableCallable):
 
   def placeholder_values(self, num_args: int) -> List[Any]:
     """The fake value dynamo recorded for each of the graph's `num_args`
-    arguments (all None if the graph has another number)."""
-    return signature.placeholder_values(self._graph_module, num_args)
+    arguments, those a call passes, before the lifted tensor attributes (all
+    None if the graph has another number)."""
+    values = signature.placeholder_values(self._graph_module,
+                                          num_args + len(self._lifted))
+    return values[:num_args]
 
   def rebind_lifted(self, model: Any) -> int:
     """After a load: the lifted tensor attributes are the loaded model's own

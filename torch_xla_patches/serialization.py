@@ -173,6 +173,11 @@ class CompiledModel:
       return function(*args, **kwargs)
 
   @property
+  def captured_globals(self) -> Dict[str, Any]:
+    """The globals the captured code runs with."""
+    return torch_internals.aot_captured_function(self.aot_fn).__globals__
+
+  @property
   def transformed_code(self) -> Any:
     """The code object dynamo made of the captured function: it reads the
     graph's arguments, calls the compiled graph and builds the result."""
