@@ -187,11 +187,12 @@ def extract_internal(xla_model: torch.fx.GraphModule):
 # for: the graph would be split around a node that never fell back. So a
 # node is unsupported when a fallback counter changed during its run and
 #   * the counter names an op the node ran on this thread (a dispatch mode
-#     is the thread's own, and sees the ops that reach torch_xla's kernels,
-#     as the counters name them), or
-#   * the counter changes again when the node runs a second time: an op
-#     that one of torch_xla's kernels runs inside another, which the mode
-#     does not see.
+#     is the thread's own, and names the ops that reach torch_xla's
+#     kernels), or
+#   * the counter changes again when the node runs a second time: a
+#     fallback the mode does not name (an op one of torch_xla's kernels runs
+#     inside another: `logcumsumexp` falls back as `_logcumsumexp`,
+#     `median.dim` as `median.dim_values`).
 # A change of neither kind is another thread's.
 
 
