@@ -219,9 +219,8 @@ class _FallbackCounterWatch:
 
 
 class _OpsOfThisThread(TorchDispatchMode):
-  """Names each aten op this thread runs while the mode is on, as
-  torch_xla's fallback counters name them (see [Note: Fallback ops of this
-  thread])."""
+  """Names each aten op this thread runs while the mode is on (see [Note:
+  Fallback ops of this thread])."""
 
   def __init__(self):
     super().__init__()
