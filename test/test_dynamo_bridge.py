@@ -225,6 +225,21 @@ def test_a_fallback_inside_a_kernel_is_found_by_a_second_run(monkeypatch):
   assert counters()['DynamoCpuFallbackPartition'] == 1
 
 
+def test_inference_tensors_compile():
+  # Inference tensors keep no version counter, which the look-ahead must
+  # not read (see [Note: Graphs that cannot be split]).
+
+  def fn(x):
+    return torch.logcumsumexp(x * 2, dim=0) + x.shape[0]
+
+  compiled = compile_dynamic(fn)
+  with torch.inference_mode():
+    for n in [3, 4]:
+      x = torch.randn(n, 5)
+      torch.testing.assert_close(compiled(xla(x)).cpu(), fn(x))
+  assert counters()['DynamoCpuFallbackPartition'] == 1
+
+
 def test_default_mode_goes_dynamic_on_second_shape():
   frames = FrameCounter()
 

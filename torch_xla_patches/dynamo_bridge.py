@@ -261,11 +261,21 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
     self.updates_inputs_before_end = False
 
   def run(self, *args, **kwargs):
-    inputs = [a for a in args if isinstance(a, torch.Tensor)]
-    versions = [t._version for t in inputs]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    # The arguments enter as device data: one updated in place has pending
+    # IR after the run. Off the device, its version counter moved (an
+    # inference tensor keeps none).
+    on_xla = [t for t in tensors if t.device.type == 'xla']
+    others = [
+        t for t in tensors if t.device.type != 'xla' and not t.is_inference()
+    ]
+    versions = [t._version for t in others]
     with self._ops:
       result = super().run(*args, **kwargs)
-    self.updates_inputs_before_end = versions != [t._version for t in inputs]
+    self.updates_inputs_before_end = (
+        versions != [t._version for t in others] or
+        (bool(on_xla) and
+         any(torch_xla._XLAC._check_tensor_need_materialization(on_xla))))
     return result
 
   def run_node(self, n: torch.fx.Node):
