@@ -206,6 +206,52 @@ def test_another_threads_fallback_leaves_the_graph_whole(monkeypatch):
   assert counters()['DynamoCpuFallbackPartition'] == 0
 
 
+def test_a_look_ahead_beside_another_threads_trace_leaves_dynamo_on(
+    monkeypatch):
+  # See [Note: Fallback ops of this thread]: another thread's dynamo trace
+  # enters its FakeTensorMode during a look-ahead and leaves it after;
+  # dynamo must still trace new frames afterwards.
+  from torch._subclasses.fake_tensor import FakeTensorMode
+  from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+  from torch_xla_patches import dynamo_bridge
+  run_node = dynamo_bridge.UnsupportedNodesCollector.run_node
+  tracing, looked = threading.Event(), threading.Event()
+
+  def trace():
+    with FakeTensorMode():
+      tracing.set()
+      looked.wait(60)
+
+  other = threading.Thread(target=trace)
+
+  def run_node_beside_a_trace(self, n):
+    if n.op == 'call_function' and not other.is_alive() and not looked.is_set():
+      other.start()
+      assert tracing.wait(60)
+    return run_node(self, n)
+
+  monkeypatch.setattr(dynamo_bridge.UnsupportedNodesCollector, 'run_node',
+                      run_node_beside_a_trace)
+
+  def fn(x):
+    return (x * 2).cos() + x.shape[0]
+
+  x = torch.randn(3, 5)
+  torch.testing.assert_close(compile_dynamic(fn)(xla(x)).cpu(), fn(x))
+  looked.set()
+  other.join(60)
+  assert tracing.is_set()
+  assert not is_in_torch_dispatch_mode(include_infra_modes=False)
+
+  # A new frame is traced and compiled, not run eagerly.
+  def another_fn(x):
+    return (x * 3).sin() + x.shape[0]
+
+  torch.testing.assert_close(
+      compile_dynamic(another_fn)(xla(x)).cpu(), another_fn(x))
+  assert counters()['DynamoExtractCompiledGraph'] == 2
+
+
 def test_a_fallback_inside_a_kernel_is_found_by_a_second_run(monkeypatch):
   # An op one of torch_xla's kernels runs inside another reaches no
   # dispatch mode: the node's second run changes the counter again.

@@ -20,7 +20,8 @@ import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 from torch.fx.passes.utils.fuser_utils import topo_sort
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
+                                          _push_mode)
 
 # Defined by torch_xla's bridge; its callers (torch_xla/stablehlo.py, tests)
 # find them in the bridge module, so this one offers them too.
@@ -194,6 +195,14 @@ def extract_internal(xla_model: torch.fx.GraphModule):
 #     inside another: `logcumsumexp` falls back as `_logcumsumexp`,
 #     `median.dim` as `median.dim_values`).
 # A change of neither kind is another thread's.
+#
+# The mode goes on this thread's dispatch stack and nowhere else.
+# `TorchDispatchMode.__enter__` also sets `_is_in_torch_dispatch_mode`, a
+# flag of the whole process that each mode saves on entry and puts back on
+# exit: two threads' look-aheads that overlap can put it back set, and
+# while it is set dynamo skips every frame it has no code for (runs it
+# eagerly), on every thread, for the rest of the process. Nothing in a
+# look-ahead runs dynamo, so nothing needs the flag.
 
 
 class _FallbackCounterWatch:
@@ -225,6 +234,13 @@ class _OpsOfThisThread(TorchDispatchMode):
   def __init__(self):
     super().__init__()
     self.names: Set[str] = set()
+
+  def __enter__(self):
+    _push_mode(self)
+    return self
+
+  def __exit__(self, exc_type, exc_value, traceback):
+    _pop_mode()
 
   def __torch_dispatch__(self, func, types, args=(), kwargs=None):
     schema = getattr(func, '_schema', None)
