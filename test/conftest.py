@@ -115,6 +115,31 @@ def patched_bridge():
   torch_xla_patches.revert()
 
 
+_DISPATCH_MODE_FLAGS = ('_is_in_torch_dispatch_mode',
+                        '_is_in_non_infra_torch_dispatch_mode',
+                        '_is_in_any_mode_without_ignore_compile_internals')
+
+
+@pytest.fixture(autouse=True)
+def no_dispatch_mode_flag_left():
+  """Fails the test that leaves one of torch's process-wide dispatch mode
+  flags set with no mode on: dynamo would then run every later test's new
+  frames eagerly (see [Note: Fallback ops of this thread]). The flags are
+  cleared, so only that test fails."""
+  yield
+  from torch.utils import _python_dispatch
+  import torch
+  if torch._C._len_torch_dispatch_stack():
+    return
+  left = [
+      name for name in _DISPATCH_MODE_FLAGS
+      if getattr(_python_dispatch, name, False)
+  ]
+  for name in left:
+    setattr(_python_dispatch, name, False)
+  assert not left, f'dispatch mode flags left set: {left}'
+
+
 @pytest.fixture(scope='session', autouse=True)
 def native_fast_path():
   """The native module loaded (make setup builds it) before any test, so that
