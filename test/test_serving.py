@@ -316,3 +316,35 @@ def test_a_fallback_graph_that_updates_its_inputs_runs_eagerly(patched_bridge):
   if versions.has_torch_aot_compile():
     # serve()'s capture keeps the update where the model makes it.
     assert met.counter_value('DynamoCpuFallbackEager') == 1
+
+
+class PlacesAfterALength(torch.nn.Module):
+  """Positions after a length kept on the CPU, which it then advances: the
+  graph moves the length to the device (a node XLA does not compile) and
+  updates it in place between two reads, as a fresh StaticCache's prefill
+  does with its `cumulative_length`."""
+
+  def forward(self, x, length):
+    length = length.to(x.device)
+    positions = torch.arange(x.shape[1], device=x.device) + length
+    length.add_(x.shape[1])
+    return x * positions + length
+
+
+def test_a_graph_that_updates_a_tensor_it_moved_runs_eagerly(patched_bridge):
+  # See [Note: Graphs that cannot be split] in dynamo_bridge.py: split, the
+  # last read of the length came before its update.
+  from torch_xla_patches import versions
+  model = PlacesAfterALength().to(torch_xla.device())
+  served = torch_xla_patches.serve(model, [(TensorSpec(
+      (2, 5)), TensorSpec((), torch.long))],
+                                   wait=True)
+  torch.manual_seed(0)
+  for n in [5, 6]:
+    x = torch.randn(2, n)
+    torch.testing.assert_close(
+        served(x.to(torch_xla.device()), torch.tensor(3)).cpu(),
+        PlacesAfterALength()(x, torch.tensor(3)))
+  if versions.has_torch_aot_compile():
+    assert met.counter_value('DynamoCpuFallbackEager') == 1
+    assert met.counter_value('DynamoCpuFallbackPartition') is None

@@ -440,6 +440,35 @@ def _is_input_update(node: torch.fx.Node) -> bool:
           node.args[0].op == 'placeholder')
 
 
+# Python's in-place operators, as dynamo records `x += y` and `x[i] = y`.
+_IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul,
+    operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.imatmul
+})
+
+
+def _updates_in_place(node: torch.fx.Node) -> bool:
+  """Whether `node` updates a tensor in place, other than the updates of
+  the graph's inputs at its end (see [Note: Graphs that cannot be split]):
+  a tensor method or torch function named with a trailing underscore
+  (`add_`, `index_copy_`), an aten op whose schema mutates, or an in-place
+  operator."""
+  if node.op not in ('call_method', 'call_function') or _is_input_update(node):
+    return False
+  target = node.target
+  if node.op == 'call_method':
+    return target.endswith('_') and not target.startswith('_')
+  if target in _IN_PLACE_OPERATORS:
+    return True
+  schema = getattr(target, '_schema', None)
+  if schema is not None:
+    return schema.is_mutable
+  name = getattr(target, '__name__', '')
+  return name.endswith('_') and not name.startswith('_')
+
+
 def _run_last(graph: torch.fx.Graph, names: Sequence[str]) -> None:
   """Moves the nodes named `names` (fuse_partitions makes a new graph), in
   order, then the output node, to the end of `graph`.
@@ -470,9 +499,11 @@ def _look_ahead(xla_model: torch.fx.GraphModule,
 # its in-place updates where the model makes them: a StaticCache's
 # `cumulative_length.add_` between the reads of it that place the new keys.
 # The partitioner orders nodes by their data dependencies alone, so a part
-# could read an input after another part has updated it. A graph with CPU
-# fallback ops whose look-ahead run updated an input before the graph's end
-# is therefore not split: it runs eagerly, node by node on lazy tensors, as
+# could read a tensor after another part has updated it. A graph with nodes
+# XLA does not compile (CPU fallback ops, a CPU input moved to the device)
+# that updates a tensor in place before its end (an input its look-ahead
+# run updated, or a node that updates in place, `_updates_in_place`) is
+# therefore not split: it runs eagerly, node by node on lazy tensors, as
 # the model would without torch.compile (counted as COUNTER_FALLBACK_EAGER;
 # logged once per graph). Its answers are right; it compiles one XLA program
 # per call. A compile-only call (see [Note: Compile-only calls] in
@@ -529,14 +560,15 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
 
   look_ahead = _look_ahead(xla_model, xla_args)
   unsupported_nodes = look_ahead.get_unsupported_nodes()
-  if unsupported_nodes and look_ahead.updates_inputs_before_end:
+  if unsupported_nodes and (look_ahead.updates_inputs_before_end or any(
+      _updates_in_place(node) for node in xla_model.graph.nodes)):
     # See [Note: Graphs that cannot be split].
     increment_counter(COUNTER_FALLBACK_EAGER, 1)
     logger.warning(
-        'torch_xla_patches: a graph with CPU fallback ops (%s) updates its '
-        'inputs in place before its end; it runs eagerly, without a '
-        'compiled program',
-        ', '.join(str(n.target) for n in unsupported_nodes[:3]))
+        'torch_xla_patches: a graph with nodes XLA does not compile (%s) '
+        'updates tensors in place before its end; it runs eagerly, without '
+        'a compiled program',
+        ', '.join(f'{n.name}: {n.target}' for n in unsupported_nodes[:3]))
     return _run_eagerly(xla_model)
   if unsupported_nodes:
     return partition_fx_graph_for_cpu_fallback(xla_model, xla_args,
