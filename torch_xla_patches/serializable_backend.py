@@ -74,6 +74,24 @@ def _explicit_slices(graph_module: torch.fx.GraphModule) -> None:
     graph_module.recompile()
 
 
+def _without_view_base(value: Any) -> Any:
+  """A fake tensor that is a view (an argument sliced from a larger one:
+  transformers' attention mask), as a tensor of its own sizes and strides:
+  torch's GraphPickler describes a view with its base, whose description
+  holds the FakeTensorMode, which does not pickle. The bridge reads only the
+  sizes."""
+  if not isinstance(value, torch.Tensor) or not value._is_view():
+    return value
+  fake_mode = getattr(value, 'fake_mode', None)
+  if fake_mode is None:
+    return value
+  with fake_mode:
+    return torch.empty_strided(value.shape,
+                               value.stride(),
+                               dtype=value.dtype,
+                               device=value.device)
+
+
 def _pickle_graph(graph_module: torch.fx.GraphModule) -> bytes:
   GraphPickler, Options = torch_internals.graph_pickler()
   _explicit_slices(graph_module)
@@ -90,6 +108,7 @@ def _pickle_graph(graph_module: torch.fx.GraphModule) -> bytes:
   for node in graph_module.graph.nodes:
     kept[node] = node.meta
     node.meta = {k: v for k, v in node.meta.items() if k in ('val',)}
+    node.meta['val'] = _without_view_base(node.meta.get('val'))
   try:
     # ops_filter=None: dynamo's graph calls torch-level functions and tensor
     # methods, not just aten ops.
