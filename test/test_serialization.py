@@ -449,3 +449,49 @@ def test_index_and_artifact_share_one_first_call_budget(artifact, tmp_path):
           for line in proc.stdout.splitlines()
           if line.startswith('after ')]
   assert rows == [[4, 2, 0, 1], [6, 3, 0, 2]]
+
+
+class Adds(torch.nn.Module):
+
+  def forward(self, x, y):
+    return x * 2 + y
+
+
+def test_an_argument_marked_static_is_read_from_each_call(
+    patched_bridge, tmp_path):
+  # See [Note: Arguments marked static] in serialization.py: transformers
+  # marks a StaticCache's tensors so, and a graph that kept the first
+  # call's tensor would read it for every later call.
+  import torch_xla
+  device = torch_xla.device()
+  model = Adds().to(device)
+  x = torch.randn(3, 4)
+  marked = torch.randn(3, 4).to(device)
+  torch._dynamo.mark_static_address(marked)
+  compiled = serialization.aot_compile(model, (x.to(device), marked))
+  assert marked._dynamo_static_input_type == 'guarded'
+  other = torch.randn(3, 4)
+  torch.testing.assert_close(
+      compiled(x.to(device), other.to(device)).cpu(), x * 2 + other)
+  path = serialization.save(compiled, str(tmp_path / 'adds.xla_aot'))
+  loaded = serialization.load(path, model=model, precompile=False)
+  third = torch.randn(3, 4)
+  torch.testing.assert_close(
+      loaded(x.to(device), third.to(device)).cpu(), x * 2 + third)
+
+
+def test_a_view_argument_is_saved(patched_bridge, tmp_path):
+  # An argument sliced from a larger tensor (transformers' attention mask):
+  # the graph's description of it must not hold its base's fake mode.
+  import torch_xla
+  device = torch_xla.device()
+  model = Adds().to(device)
+  x = torch.randn(3, 4)
+  base = torch.randn(3, 8)
+  compiled = serialization.aot_compile(model,
+                                       (x.to(device), base.to(device)[:, 2:6]))
+  path = serialization.save(compiled, str(tmp_path / 'adds.xla_aot'))
+  loaded = serialization.load(path, model=model, precompile=False)
+  torch.testing.assert_close(
+      loaded(x.to(device),
+             base.to(device)[:, 1:5]).cpu(), x * 2 + base[:, 1:5])

@@ -86,11 +86,6 @@ def test_serve_refuses_what_it_cannot_serve(patched_bridge):
                      match='signature 0: argument 0 is Tensor; describe '
                      'tensors with TensorSpec'):
     torch_xla_patches.serve(model, [(torch.zeros(2, 8),)])
-  with pytest.raises(ValueError,
-                     match=r'signature 1 has arguments \(int32\[rank 2\]\), '
-                     r'signature 0 \(int64\[rank 2\]\)'):
-    torch_xla_patches.serve(model, [(TensorSpec((2, 8), torch.long),),
-                                    (TensorSpec((2, 8), torch.int32),)])
   with pytest.raises(ValueError, match='embed.weight is on cpu'):
     torch_xla_patches.serve(TinyLM(8), BUCKETS)
 
@@ -348,3 +343,79 @@ def test_a_graph_that_updates_a_tensor_it_moved_runs_eagerly(patched_bridge):
   if versions.has_torch_aot_compile():
     assert met.counter_value('DynamoCpuFallbackEager') == 1
     assert met.counter_value('DynamoCpuFallbackPartition') is None
+
+
+class AttendsWithAMask(torch.nn.Module):
+  """transformers' SDPA call: causal for more than one query and no mask;
+  the mask's head dimension, of size 1, broadcasts."""
+
+  def forward(self, q, kv, mask=None):
+    causal = q.shape[2] > 1 and mask is None
+    return torch.nn.functional.scaled_dot_product_attention(q,
+                                                            kv * 2,
+                                                            kv,
+                                                            attn_mask=mask,
+                                                            is_causal=causal)
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_buckets_of_two_layouts_and_a_size_of_one_that_broadcasts(
+    patched_bridge):
+  # Buckets may differ in their arguments (generate()'s prompt without a
+  # mask, its steps with one); the serve key names both layouts. Captured
+  # with a symbolic size of 1, `q.shape[2] > 1` is no bool for SDPA: the
+  # capture takes dynamo's 0/1 specialization (see _capture in serving.py).
+  from torch_xla_patches import CallSpec, serving
+  device = torch_xla.device()
+  model = AttendsWithAMask().to(device)
+  buckets = [
+      CallSpec(TensorSpec((2, 4, 3, 8)), TensorSpec((2, 4, 3, 8))),
+      CallSpec(TensorSpec((2, 4, 1, 8)),
+               TensorSpec((2, 4, 5, 8)),
+               mask=TensorSpec((2, 1, 1, 5), torch.bool)),
+  ]
+  served = torch_xla_patches.serve(model, buckets, wait=True)
+  assert served.calls is not None  # captured, not served by torch.compile
+  assert len(served.captures()) == 2
+  arguments = serving.serve_key(model, serving._buckets(buckets)).arguments
+  assert arguments[0] == 'layouts' and len(arguments[1]) == 2
+  torch.manual_seed(0)
+  for q_len, kv_len, mask in [(3, 3, None), (1, 5, (2, 1, 1, 5)),
+                              (1, 7, (2, 1, 1, 7))]:
+    q, kv = torch.randn(2, 4, q_len, 8), torch.randn(2, 4, kv_len, 8)
+    kwargs = {} if mask is None else {'mask': torch.rand(mask) > 0.3}
+    torch.testing.assert_close(served(
+        q.to(device), kv.to(device), **{
+            name: m.to(device) for name, m in kwargs.items()
+        }).cpu(),
+                               AttendsWithAMask()(q, kv, **kwargs),
+                               rtol=1e-4,
+                               atol=1e-4)
+  assert met.counter_value('ServeRetrace') is None
+  assert met.counter_value('ServeCapturedAgain') == 1
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_served_forward_stands_in_for_the_modules_forward(patched_bridge):
+  # See [Note: Serving a module's forward] in serialization.py: installed as
+  # `model.forward`, the served forward is what `model(...)` calls, and
+  # neither its captures nor a capture on a later call call it again.
+  import inspect
+  import pickle
+  cpu, model = models(width=12)
+  served = torch_xla_patches.serve(model.forward, BUCKETS[:1], wait=True)
+  model.forward = served
+  assert inspect.signature(served) == inspect.signature(cpu.forward)
+  check_against_eager(model, cpu, [(2, 8), (3, 8)])
+  tokens = torch.randint(0, 64, (2, 8), dtype=torch.int32)
+  with torch.no_grad():
+    expected = cpu(tokens)
+  torch.testing.assert_close(model(tokens.to(torch_xla.device())).cpu(),
+                             expected,
+                             rtol=1e-4,
+                             atol=1e-4)
+  assert met.counter_value('ServeCapturedAgain') == 1
+  assert met.counter_value('ServeRetrace') is None
+  # The module's state, which a capture's guards pickle, holds the served
+  # forward: it pickles as a placeholder.
+  assert pickle.loads(pickle.dumps(served)) == '<served TinyLM, not unpickled>'

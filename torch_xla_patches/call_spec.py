@@ -19,12 +19,25 @@ or dict nesting them (per-layer caches, a dict of inputs). Walking a call's
 A call the walk cannot key (another container type, a tensor passed twice,
 which dynamo guards as an alias) has no key: it takes the full path.
 
+[Note: Cache objects in a call]
+A transformers cache (a subclass of transformers' `Cache`: StaticCache and
+the others) is one argument of the calls generate() makes, the same object
+at every step. A bucket holds an example of it: a cache of the batch and
+length the bucket serves, initialized (`early_initialization`, or after a
+prefill) for a decode bucket. The warm-up calls such a bucket with a deep
+copy of the example, never the example itself, so the example keeps what
+its owner left in it. A bucket's layout names the cache's class and, per
+layer, its class, whether it is initialized and its tensors' dtypes and
+ranks. A call with a cache has no key: the walk does not look into the
+object, so it takes the full path, where dynamo's guards check it.
+
 Buckets are described the same way, with TensorSpec for tensors: CallSpec
 holds (args, kwargs) of TensorSpec and constants. Its `layout` is what every
 bucket of one served model shares and what an artifact is made for: the
 structure, each tensor's dtype and rank, each int as an int (its value may
 vary), and every other constant by value.
 """
+import copy
 import dataclasses
 import inspect
 from typing import (Any, Callable, Dict, Hashable, List, Optional, Sequence,
@@ -99,9 +112,18 @@ class CallSpec:
         values are whatever the earlier calls left (warm-up calls compile,
         their results are not read).
     """
-    seen: Dict[TensorSpec, int] = {}
+    seen: Dict[Any, int] = {}
 
     def make(leaf: Any) -> Any:
+      if is_cache(leaf):
+        # See [Note: Cache objects in a call].
+        if pool is None:
+          return copy.deepcopy(leaf)
+        place = (('cache', id(leaf)), seen.get(id(leaf), 0))
+        seen[id(leaf)] = place[1] + 1
+        if place not in pool:
+          pool[place] = copy.deepcopy(leaf)
+        return pool[place]
       if not isinstance(leaf, TensorSpec):
         return leaf
       if pool is None:
@@ -141,8 +163,56 @@ def _sorted(kwargs: Dict[str, Any]) -> Dict[str, Any]:
   return {name: kwargs[name] for name in sorted(kwargs)}
 
 
+def is_cache(value: Any) -> bool:
+  """Whether `value` is a transformers cache object (see [Note: Cache
+  objects in a call]), told without importing transformers."""
+  return any(
+      klass.__name__ == 'Cache' and klass.__module__.startswith('transformers.')
+      for klass in type(value).__mro__)
+
+
+def argument_tensors(value: Any) -> List[torch.Tensor]:
+  """The tensors of a call's arguments: in lists, tuples and dicts, and held
+  by the layers of a cache object (see [Note: Cache objects in a call])."""
+  found: List[torch.Tensor] = []
+
+  def walk(value: Any, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+      return
+    if isinstance(value, torch.Tensor):
+      found.append(value)
+    elif isinstance(value, (tuple, list)):
+      for item in value:
+        walk(item, depth + 1)
+    elif isinstance(value, dict):
+      for item in value.values():
+        walk(item, depth + 1)
+    elif is_cache(value):
+      for layer in getattr(value, 'layers', ()):
+        for item in vars(layer).values():
+          if isinstance(item, torch.Tensor):
+            found.append(item)
+
+  walk(value, 0)
+  return found
+
+
+def _cache_layout(cache: Any) -> Any:
+  layers = []
+  for layer in getattr(cache, 'layers', ()):
+    tensors = sorted([name, io_utils.dtype_name(value.dtype),
+                      value.dim()]
+                     for name, value in vars(layer).items()
+                     if isinstance(value, torch.Tensor))
+    layers.append([
+        type(layer).__name__,
+        bool(getattr(layer, 'is_initialized', False)), tensors
+    ])
+  return ['cache', type(cache).__name__, layers]
+
+
 def _check_spec_tree(value: Any, where: str) -> None:
-  if isinstance(value, (TensorSpec,) + _CONSTANT_TYPES):
+  if isinstance(value, (TensorSpec,) + _CONSTANT_TYPES) or is_cache(value):
     return
   if isinstance(value, (tuple, list)):
     for index, item in enumerate(value):
@@ -157,8 +227,8 @@ def _check_spec_tree(value: Any, where: str) -> None:
     return
   raise CallStructureError(
       f'{where} is {type(value).__name__}; describe tensors with TensorSpec '
-      'and other arguments as Python scalars, strings, None, or lists, '
-      'tuples and dicts of them')
+      'and other arguments as Python scalars, strings, None, transformers '
+      'cache objects, or lists, tuples and dicts of them')
 
 
 def _map_leaves(value: Any, function: Callable[[Any], Any]) -> Any:
@@ -183,6 +253,8 @@ def _spec_leaves(value: Any, leaves: List[Any]) -> None:
 
 
 def _layout(value: Any) -> Any:
+  if is_cache(value):
+    return _cache_layout(value)
   if isinstance(value, TensorSpec):
     return ['tensor', io_utils.dtype_name(value.dtype), len(value.shape)]
   if isinstance(value, (tuple, list)):
@@ -197,6 +269,11 @@ def _layout(value: Any) -> Any:
 def _describe(value: Any) -> str:
   if isinstance(value, TensorSpec):
     return value.describe()
+  if is_cache(value):
+    layers = getattr(value, 'layers', ())
+    initialized = all(getattr(l, 'is_initialized', False) for l in layers)
+    return (f'{type(value).__name__}({len(layers)} layers, '
+            f'{"initialized" if initialized else "empty"})')
   if isinstance(value, tuple):
     return '(' + ', '.join(_describe(item) for item in value) + ')'
   if isinstance(value, list):
@@ -218,6 +295,8 @@ def describe_layout(layout: Any) -> str:
     return f'{layout[1]}[rank {layout[2]}]'
   if kind == 'int':
     return 'int'
+  if kind == 'cache':
+    return f'{layout[1]}({len(layout[2])} layers)'
   if kind in ('tuple', 'list'):
     inner = ', '.join(describe_layout(item) for item in layout[1])
     return f'({inner})' if kind == 'tuple' else f'[{inner}]'

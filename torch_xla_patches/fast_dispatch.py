@@ -212,6 +212,13 @@ class ServedModel:
     # at once] in serving.py).
     self.warm_up: Optional[Any] = None
 
+  def __reduce__(self):
+    # Installed as the module's forward (see [Note: Serving a module's
+    # forward] in serialization.py), this object is in the module's state,
+    # which torch 2.9's aot_compile pickles with a later capture's guards.
+    # What unpickles is a placeholder: a served model is made by serve().
+    return (_served_model_placeholder, (type(self.model).__name__,))
+
   def captures(self) -> List[Any]:
     """The CompiledModels serving calls, in the order they were made."""
     return [calls.compiled for calls in self._served]
@@ -298,6 +305,11 @@ class ServedModel:
           'the other captures\' guards refuse',
           type(self.model).__name__, len(self._served))
       return calls
+
+
+def _served_model_placeholder(model_name: str) -> str:
+  """What a pickled ServedModel unpickles as (see ServedModel.__reduce__)."""
+  return f'<served {model_name}, not unpickled>'
 
 
 class ServedCalls:
@@ -515,9 +527,11 @@ class ServedCalls:
             'once)',
             type(self._model).__name__,
             self.compiled.guard_failure(*args, **kwargs))
-        self._retraced = torch.compile(self._model,
-                                       backend='openxla',
-                                       dynamic=True)
+        # A served forward is traced as such (see [Note: Serving a
+        # module's forward] in serialization.py).
+        target = (serialization.class_forward(self._model)
+                  if self.compiled.forward_call else self._model)
+        self._retraced = torch.compile(target, backend='openxla', dynamic=True)
     with torch.no_grad():
       return self._retraced(*args, **kwargs)
 

@@ -29,12 +29,13 @@ Limits, on purpose:
     but records no signatures: each XLA part compiles on demand.
   * torch 2.9 or later (versions.require_torch_aot_compile).
 """
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -97,6 +98,41 @@ def call_module(module: torch.nn.Module, args: tuple, kwargs: Dict[str,
   return module(*args, **kwargs)
 
 
+def call_forward(module: torch.nn.Module, args: tuple,
+                 kwargs: Dict[str, Any]) -> Any:
+  """What aot_compile captures for a module's bound forward: the forward the
+  module's class defines, called without the module's hooks, as
+  `torch.compile(model.forward)` calls it.
+
+  [Note: Serving a module's forward]
+  transformers' generate() calls `model(...)`, which calls `model.forward`:
+  a decode loop is served by replacing `model.forward` with
+  `serve(model.forward, ...)`, as the transformers docs do with
+  torch.compile. Such a capture must not read the module's `forward`
+  attribute: dynamo would guard that the module has none of its own (every
+  call refused once it has), and a capture on a later call would trace the
+  served forward itself. So it calls the class's forward, and its keyword
+  binding and re-traces take that forward too (`forward_owner`).
+  """
+  return type(module).forward(module, *args, **kwargs)
+
+
+def forward_owner(model: Any) -> Optional[torch.nn.Module]:
+  """The module when `model` is its bound forward, the one its class
+  defines (see [Note: Serving a module's forward]); else None."""
+  owner = getattr(model, '__self__', None)
+  if (isinstance(owner, torch.nn.Module) and getattr(model, '__func__', None)
+      is getattr(type(owner), 'forward', None)):
+    return owner
+  return None
+
+
+def class_forward(module: torch.nn.Module) -> Any:
+  """`module`'s forward as its class defines it, bound to it, whatever
+  `module.forward` is now (see [Note: Serving a module's forward])."""
+  return type(module).forward.__get__(module)
+
+
 class CompiledModel:
   """A model or function compiled with torch's aot_compile and our backend.
 
@@ -112,16 +148,24 @@ class CompiledModel:
       aot_fn is the function itself.
     example_args: input specs of an example call (see _arg_specs), used by
       load to warm up; None if the call cannot be rebuilt from specs.
+    forward_call: whether aot_fn captured call_forward (the module's bound
+      forward was given, see [Note: Serving a module's forward]).
   """
 
-  def __init__(self, aot_fn, model: Any, module_call: bool,
-               example_args: Optional[List[Any]]):
+  def __init__(self,
+               aot_fn,
+               model: Any,
+               module_call: bool,
+               example_args: Optional[List[Any]],
+               forward_call: bool = False):
     self.aot_fn = aot_fn
     self.model = model
     self.module_call = module_call
     self.example_args = example_args
-    self._bind = (call_spec.KeywordBinding(model.forward)
-                  if module_call else None)
+    self.forward_call = forward_call
+    forward = class_forward(model) if forward_call else getattr(
+        model, 'forward', None)
+    self._bind = call_spec.KeywordBinding(forward) if module_call else None
 
   def captured_arguments(
       self, args: tuple, kwargs: Dict[str,
@@ -196,7 +240,9 @@ def aot_compile(model: Any,
 
   Args:
     model: an nn.Module (its forward is captured, its parameters and buffers
-      are graph inputs) or a function; a torch.compile'd module is unwrapped.
+      are graph inputs), a module's bound forward (captured without the
+      module's hooks, see [Note: Serving a module's forward]) or a function;
+      a torch.compile'd module is unwrapped.
     args, kwargs: an example call. Give dynamic sizes of 2 or more: a size
       of 1 is specialized by dynamo.
     dynamic: capture every size symbolically (torch.compile's dynamic=True).
@@ -208,11 +254,17 @@ def aot_compile(model: Any,
   """
   require_torch_aot_compile('torch_xla_patches.serialization.aot_compile')
   model = torch_internals.unwrapped_module(model)
+  owner = forward_owner(model)
+  forward_call = owner is not None
+  if forward_call:
+    model = owner
   module_call = isinstance(model, torch.nn.Module)
   kwargs = dict(kwargs or {})
   if module_call:
-    bound = call_spec.KeywordBinding(model.forward)(tuple(args), kwargs)
-    target, example = call_module, ((model,) + bound, {})
+    forward = class_forward(model) if forward_call else model.forward
+    bound = call_spec.KeywordBinding(forward)(tuple(args), kwargs)
+    target = call_forward if forward_call else call_module
+    example = ((model,) + bound, {})
   else:
     target, example = model, (tuple(args), kwargs)
   # aot_compile captures outside torch.compile's own context, which is where
@@ -228,7 +280,8 @@ def aot_compile(model: Any,
   # dynamo's compile lock inside it, the order a trace's restore takes them
   # in (see [Note: Restores and dynamo's compiles] in tracing.py).
   with execution.execution_lock, torch_internals.capture_settings(
-      dynamic, size_oblivious), torch.no_grad():
+      dynamic, size_oblivious), torch.no_grad(), _static_addresses_hidden(
+          call_spec.argument_tensors((args, kwargs))):
     aot_fn = torch.compile(target,
                            backend=openxla_serializable,
                            fullgraph=True,
@@ -243,7 +296,34 @@ def aot_compile(model: Any,
     raise TypeError('torch_xla_patches: aot_compile did not use the '
                     f'{BACKEND_NAME} backend')
   return CompiledModel(aot_fn, model, module_call,
-                       _arg_specs(args) if not kwargs else None)
+                       _arg_specs(args) if not kwargs else None, forward_call)
+
+
+@contextlib.contextmanager
+def _static_addresses_hidden(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+  """The capture sees the call's tensors as arguments, whatever
+  `torch._dynamo.mark_static_address` said of them.
+
+  [Note: Arguments marked static]
+  transformers marks a StaticCache's tensors static
+  (`mark_static_address`, when the cache is initialized outside a
+  compile), and dynamo makes a tensor so marked a constant of the graph
+  with a guard on its identity. That guard does not survive saving (see
+  torch_internals.serializable_guards), and a graph reading one cache's
+  tensors as constants would read them for every cache passed later. So
+  the capture sees no such mark on the call's arguments: each is a graph
+  input, read from the call. The marks are put back after the capture.
+  """
+  hidden = [(tensor, tensor._dynamo_static_input_type)
+            for tensor in tensors
+            if hasattr(tensor, '_dynamo_static_input_type')]
+  for tensor, _ in hidden:
+    del tensor._dynamo_static_input_type
+  try:
+    yield
+  finally:
+    for tensor, kind in hidden:
+      tensor._dynamo_static_input_type = kind
 
 
 def save(compiled: Any,
@@ -383,6 +463,9 @@ def load_captures(
   if model is None:
     raise TypeError('torch_xla_patches.load needs model=: the saved graph '
                     'takes the parameters, or the function, from it')
+  owner = forward_owner(model)
+  if owner is not None:
+    model = owner
   header, payload = _read_checked(os.fspath(path), model)
   if serve_key is not None:
     differences = serve_key.differences(header.serve_key)
@@ -403,7 +486,7 @@ def load_captures(
   captures = []
   for aot_fn in aot_fns:
     compiled = CompiledModel(aot_fn, model, header.module_call,
-                             header.example_args)
+                             header.example_args, owner is not None)
     compiled.backend_callable.name_source(os.fspath(path))
     compiled.backend_callable.rebind_lifted(model)
     captures.append(compiled)

@@ -10,7 +10,7 @@ buckets only where all of these match, each one a named part of the key:
     (source_digest.source_parts);
   * versions: torch, torch_xla and Python (runtime.runtime_versions);
   * arguments: the buckets' layout (CallSpec.layout: structure, dtypes,
-    ranks, constants);
+    ranks, constants), or each of their layouts once where they differ;
   * state: every parameter's and buffer's name, dtype and shape;
   * configuration: every plain value a module of the model holds (bool, int,
     float, str, None and tuples of them, in the module's __dict__), and the

@@ -62,6 +62,7 @@ index, and every restart traces dynamo again (said once in the log).
 """
 import functools
 import glob
+import inspect
 import logging
 import os
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -95,7 +96,7 @@ _warned_no_aot_compile = False
 
 
 def _buckets(signatures: Iterable[Any]) -> List[CallSpec]:
-  """The buckets, checked: CallSpecs of one layout."""
+  """The buckets, checked."""
   buckets = []
   for index, bucket in enumerate(signatures):
     try:
@@ -106,21 +107,25 @@ def _buckets(signatures: Iterable[Any]) -> List[CallSpec]:
   if not buckets:
     raise ValueError('torch_xla_patches.serve: signatures is empty; give one '
                      'CallSpec (or tuple of TensorSpec) per serving bucket')
-  first = buckets[0].layout()
-  for index, bucket in enumerate(buckets):
-    if bucket.layout() != first:
-      raise ValueError(
-          f'torch_xla_patches.serve: signature {index} has arguments '
-          f'{call_spec.describe_layout(bucket.layout())}, signature 0 '
-          f'{call_spec.describe_layout(first)}; every bucket must have the '
-          'same structure, dtypes, ranks and constants')
   return buckets
+
+
+def _arguments(buckets: Sequence[CallSpec]) -> Any:
+  """The arguments part of the ServeKey: the buckets' layout, or, where
+  buckets differ in layout (generate()'s prefill, without an attention
+  mask, and its decode steps, with one), each layout once, in order."""
+  layouts: List[Any] = []
+  for bucket in buckets:
+    layout = bucket.layout()
+    if layout not in layouts:
+      layouts.append(layout)
+  return layouts[0] if len(layouts) == 1 else ['layouts', layouts]
 
 
 def _check_model(model: Any) -> None:
   if not isinstance(model, torch.nn.Module):
-    raise TypeError('torch_xla_patches.serve: model must be an nn.Module, '
-                    f'got {type(model).__name__}')
+    raise TypeError('torch_xla_patches.serve: model must be an nn.Module or '
+                    f'its forward, got {type(model).__name__}')
   for name, tensor in list(model.named_parameters()) + list(
       model.named_buffers()):
     if tensor.device.type != 'xla':
@@ -129,14 +134,18 @@ def _check_model(model: Any) -> None:
                        'torch_xla.device() first')
 
 
-def serve_key(model: torch.nn.Module, buckets: Sequence[CallSpec]) -> ServeKey:
+def serve_key(model: torch.nn.Module,
+              buckets: Sequence[CallSpec],
+              forward_call: bool = False) -> ServeKey:
   """The key of serve()'s artifact for `model` and `buckets` (see [Note:
-  Serve key])."""
+  Serve key]); `forward_call` for a served forward (see [Note: Serving a
+  module's forward] in serialization.py)."""
   return ServeKey.of(
       model,
-      arguments=buckets[0].layout(),
+      arguments=_arguments(buckets),
       shardings=_shardings(model, buckets),
-      capture=CAPTURE_SETTINGS,
+      capture=(dict(CAPTURE_SETTINGS, call='forward')
+               if forward_call else CAPTURE_SETTINGS),
       formats={
           'artifact': artifact.FORMAT_VERSION,
           'compiled_graph': serializable_backend.STATE_FORMAT_VERSION,
@@ -230,10 +239,21 @@ def _example(buckets: Sequence[CallSpec]) -> CallSpec:
 def _capture(model: torch.nn.Module, key: ServeKey, args: tuple,
              kwargs: Dict[str, Any]) -> Optional[Any]:
   """The model captured with aot_compile on a call; None, said in the log,
-  where aot_compile cannot capture it."""
+  where aot_compile cannot capture it.
+
+  A size of 1 is captured symbolically (size_oblivious, see
+  serialization.aot_compile) unless that capture fails: a size of 1 that
+  broadcasts (the head dimension of transformers' 4-D attention mask)
+  cannot be told from one that does not, and the capture then takes
+  dynamo's 0/1 specialization, each size of 1 constant."""
   try:
     return serialization.aot_compile(model, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except
+    first_error = e
+  try:
+    return serialization.aot_compile(model, args, kwargs, size_oblivious=False)
+  except Exception:  # pylint: disable=broad-except
+    e = first_error
     # Whatever torch.compile traces, serve() serves: the capture's own
     # limits (a guard it cannot save, a form it cannot bind) are no reason
     # to fail.
@@ -284,14 +304,18 @@ def serve(model: torch.nn.Module,
   """See torch_xla_patches.serve. One pass: the key, then the artifact
   loaded or the model captured, then the served object, its buckets
   compiling, then a captured model saved once they are compiled."""
-  _check_model(model)
+  module = serialization.forward_owner(model)
+  forward_call = module is not None
+  if not forward_call:
+    module = model
+  _check_model(module)
   buckets = _buckets(signatures)
   cache_dir = os.fspath(cache_dir) if cache_dir else config.cache_dir
   wait = config.serve_wait if wait is None else wait
   if not versions.has_torch_aot_compile():
     _say_no_aot_compile()
-    return _serve_with_torch_compile(model, buckets, wait)
-  key = serve_key(model, buckets)
+    return _serve_with_torch_compile(model, module, buckets, wait)
+  key = serve_key(module, buckets, forward_call)
   path = artifact_path(cache_dir, key) if cache_dir else None
   loaded = _load(path, model, key, buckets)
   captures = loaded.captures
@@ -308,13 +332,15 @@ def serve(model: torch.nn.Module,
     first = _capture(model, key, args, kwargs)
     del args, kwargs
     if first is None:
-      return _serve_with_torch_compile(model, buckets, wait)
+      return _serve_with_torch_compile(model, module, buckets, wait)
     captures = (first,)
   served = ServedModel(captures,
-                       model,
+                       module,
                        path,
                        loaded=bool(loaded.captures),
                        capture=functools.partial(_capture, model, key))
+  if forward_call:
+    _as_forward(served, module)
   if not wait:
     # Whichever call comes first, the warm-up's or a request's, the
     # recorded signatures compile in the background.
@@ -329,6 +355,13 @@ def serve(model: torch.nn.Module,
   return served
 
 
+def _as_forward(served: ServedModel, module: torch.nn.Module) -> None:
+  """Gives `served` the signature of the module's forward, which it stands
+  in for: generate() reads the forward's parameters to choose what it
+  passes (see [Note: Serving a module's forward] in serialization.py)."""
+  served.__signature__ = inspect.signature(serialization.class_forward(module))
+
+
 def _say_no_aot_compile() -> None:
   global _warned_no_aot_compile
   if not _warned_no_aot_compile:
@@ -339,10 +372,13 @@ def _say_no_aot_compile() -> None:
         'still compiles the recorded signatures first.', torch.__version__)
 
 
-def _serve_with_torch_compile(model: torch.nn.Module,
+def _serve_with_torch_compile(model: Any, module: torch.nn.Module,
                               buckets: Sequence[CallSpec],
                               wait: bool) -> ServedModel:
+  """`model`, the module or its forward, compiled with torch.compile."""
   compiled = torch.compile(model, backend='openxla', dynamic=True)
-  served = ServedModel((compiled,), model, None, loaded=False)
+  served = ServedModel((compiled,), module, None, loaded=False)
+  if model is not module:
+    _as_forward(served, module)
   _compile_buckets(served, buckets, None, wait)
   return served

@@ -1,0 +1,270 @@
+"""transformers' generate() with a static cache on a served forward
+(`model.forward = serve(model.forward, buckets)`, as transformers' docs do
+with torch.compile): the cache is an argument of every step (see [Note:
+Cache objects in a call] in call_spec.py), tokens equal eager's, the
+buckets' example caches keep what they held, and a restart serves with no
+dynamo frame."""
+import os
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+
+import torch_xla_patches
+from torch_xla_patches import CallSpec, TensorSpec, versions
+import hf_models
+
+transformers = pytest.importorskip('transformers')
+
+pytestmark = pytest.mark.usefixtures('patched_bridge')
+
+CACHE = 32
+NEW_TOKENS = 6
+PROMPTS = torch.tensor([[3, 17, 5, 9], [1, 2, 3, 4], [60, 61, 62, 63],
+                        [9, 9, 9, 9]])
+
+
+def static_cache(model, batch, device):
+  """A StaticCache of CACHE tokens for `batch` rows, initialized (as a
+  server keeps one per batch size)."""
+  config = model.config
+  cache = transformers.StaticCache(config=config, max_cache_len=CACHE)
+  cache.early_initialization(batch, config.num_key_value_heads,
+                             config.hidden_size // config.num_attention_heads,
+                             torch.float32, device)
+  return cache
+
+
+def buckets(example, batch):
+  """generate()'s two calls for a batch, as it makes them for a forward
+  with Llama's parameters: the prompt (no attention mask when every row is
+  whole) and one token a row against the cache's mask."""
+  common = dict(cache=example,
+                logits_to_keep=1,
+                use_cache=True,
+                return_dict=True)
+  prompt = PROMPTS.shape[1]
+  return [
+      CallSpec(input_ids=TensorSpec((batch, prompt), torch.long),
+               position_ids=TensorSpec((batch, prompt), torch.long),
+               **common),
+      CallSpec(input_ids=TensorSpec((batch, 1), torch.long),
+               position_ids=TensorSpec((batch, 1), torch.long),
+               attention_mask=TensorSpec((batch, 1, 1, CACHE), torch.bool),
+               **common),
+  ]
+
+
+def generate(model, prompts, cache):
+  """Greedy tokens after `prompts`, with `cache` reset first."""
+  cache.reset()
+  with torch.no_grad():
+    out = model.generate(prompts,
+                         attention_mask=torch.ones_like(prompts),
+                         max_new_tokens=NEW_TOKENS,
+                         do_sample=False,
+                         cache=cache)
+  return out[:, prompts.shape[1]:].cpu().tolist()
+
+
+def copies_of_donated_tensors(monkeypatch):
+  """The (shape, dtype) of each donated tensor a run copies from now on."""
+  from torch_xla_patches import bound_program, donation
+  copied = []
+  private_copy = donation.private_copy
+
+  def noting_private_copy(tensor):
+    copied.append((tuple(tensor.shape), tensor.dtype))
+    return private_copy(tensor)
+
+  monkeypatch.setattr(donation, 'private_copy', noting_private_copy)
+  monkeypatch.setattr(bound_program, 'private_copy', noting_private_copy)
+  return copied
+
+
+def cache_contents(cache):
+  return [(float(layer.keys.abs().sum()), float(layer.values.abs().sum()),
+           int(layer.cumulative_length)) for layer in cache.layers]
+
+
+@pytest.mark.parametrize('batch', [1, 4])
+def test_generate_on_a_served_forward_gives_eagers_tokens(batch, monkeypatch):
+  cpu, model = hf_models.build('llama')
+  prompts = PROMPTS[:batch]
+  expected = generate(cpu, prompts, static_cache(cpu, batch, 'cpu'))
+  device = torch_xla.device()
+  example = static_cache(model, batch, device)
+  served = torch_xla_patches.serve(model.forward,
+                                   buckets(example, batch),
+                                   wait=True)
+  if versions.has_torch_aot_compile():
+    # The decode bucket's guards (an initialized cache, one token) are not
+    # the prompt's: the warm-up captured it.
+    assert len(served.captures()) == 2
+  assert example.layers[0].keys.device.type == 'xla'
+  assert cache_contents(example) == [(0.0, 0.0, 0)] * len(example.layers)
+  model.forward = served
+  cache = static_cache(model, batch, device)
+  copied = copies_of_donated_tensors(monkeypatch)
+  met.clear_counters()
+  assert generate(model, prompts.to(device), cache) == expected
+  # The second generation reuses the cache, reset.
+  assert generate(model, prompts.to(device), cache) == expected
+  # Between steps generate() reads the cache's length (layer 0's
+  # `cumulative_length`, 0-dim): each one-token step copies those 8 bytes
+  # for its run, never a layer's keys or values, and syncs nothing.
+  assert met.counter_value('DynamoDonationCopiedRead') == 2 * (NEW_TOKENS - 1)
+  assert copied == [((), torch.int64)] * (2 * (NEW_TOKENS - 1))
+  assert met.counter_value('ServeCapturedAgain') is None
+  assert met.counter_value('ServeRetrace') is None
+  # Every step donated the cache (two tensors and a length per layer): no
+  # step copied it.
+  assert met.counter_value('DynamoDonationCopiedAlias') is None
+  # The examples the warm-up called copies of are as they were.
+  assert cache_contents(example) == [(0.0, 0.0, 0)] * len(example.layers)
+
+
+def test_generate_with_a_cache_it_makes_gives_eagers_tokens():
+  # cache_implementation='static': generate() makes the cache, which its
+  # prompt step initializes (under aot_compile a graph that moves the length
+  # to the device and advances it: it runs eagerly, see [Note: Graphs that
+  # cannot be split] in dynamo_bridge.py), and keeps it for the next
+  # generation.
+  cpu, model = hf_models.build('llama')
+  prompts = PROMPTS[:1]
+
+  def run(model, device):
+    with torch.no_grad():
+      return [
+          model.generate(prompts.to(device),
+                         max_new_tokens=NEW_TOKENS,
+                         do_sample=False,
+                         cache_implementation='static').cpu().tolist()
+          for _ in range(2)
+      ]
+
+  expected = run(cpu, 'cpu')
+  device = torch_xla.device()
+  served = torch_xla_patches.serve(model.forward,
+                                   buckets(static_cache(model, 1, device),
+                                           1)[:1],
+                                   wait=True)
+  model.forward = served
+  assert run(model, device) == expected
+  if versions.has_torch_aot_compile():
+    # torch.compile's graphs (torch 2.8) move the update to the end.
+    assert met.counter_value('DynamoCpuFallbackEager') == 1
+
+
+def test_a_cache_read_between_steps_gives_eagers_tokens_and_reads():
+  # A stopping criterion reads the donated cache after every step: its
+  # length (a 0-dim tensor) and layer 0's keys (see [Note: Donating
+  # in-place updates] in donation.py).
+
+  class Reads(transformers.StoppingCriteria):
+
+    def __init__(self, cache):
+      self.cache, self.seen = cache, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+      self.seen.append((int(self.cache.get_seq_length()),
+                        round(float(self.cache.layers[0].keys.abs().sum()), 3)))
+      return torch.zeros(input_ids.shape[0],
+                         dtype=torch.bool,
+                         device=input_ids.device)
+
+  def run(model, device, cache):
+    reads = Reads(cache)
+    with torch.no_grad():
+      out = model.generate(PROMPTS[:1].to(device),
+                           max_new_tokens=NEW_TOKENS,
+                           do_sample=False,
+                           cache=cache,
+                           stopping_criteria=[reads])
+    return out.cpu().tolist(), reads.seen
+
+  cpu, model = hf_models.build('llama')
+  expected, expected_reads = run(cpu, 'cpu', static_cache(cpu, 1, 'cpu'))
+  device = torch_xla.device()
+  served = torch_xla_patches.serve(model.forward,
+                                   buckets(static_cache(model, 1, device), 1),
+                                   wait=True)
+  model.forward = served
+  met.clear_counters()
+  tokens, reads = run(model, device, static_cache(model, 1, device))
+  assert tokens == expected
+  assert [n for n, _ in reads] == [n for n, _ in expected_reads]
+  torch.testing.assert_close([k for _, k in reads],
+                             [k for _, k in expected_reads],
+                             rtol=1e-4,
+                             atol=1e-3)
+
+
+RESTART_SCRIPT = r'''
+import json, sys
+sys.path.insert(0, TEST_DIR)
+import torch, torch_xla
+from torch._dynamo.utils import counters
+import torch_xla_patches
+import hf_models
+import test_hf_generate as t
+device = torch_xla.device()
+_, model = hf_models.build('llama')
+served = torch_xla_patches.serve(
+    model.forward, t.buckets(t.static_cache(model, 1, device), 1),
+    cache_dir=CACHE_DIR, wait=True)
+model.forward = served
+cache = t.static_cache(model, 1, device)
+tokens = [t.generate(model, t.PROMPTS[:1].to(device), cache) for _ in range(2)]
+print(json.dumps(dict(loaded=served.loaded, tokens=tokens,
+                      captures=len(served.captures()),
+                      frames=counters['stats']['unique_graphs'])))
+'''
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_restart_generates_without_dynamo(tmp_path):
+  from bridge_testing import run_reports
+  cpu, _ = hf_models.build('llama')
+  expected = generate(cpu, PROMPTS[:1], static_cache(cpu, 1, 'cpu'))
+  here = os.path.dirname(os.path.abspath(__file__))
+  code = RESTART_SCRIPT.replace('TEST_DIR',
+                                repr(here)).replace('CACHE_DIR',
+                                                    repr(str(tmp_path)))
+  first, restart = run_reports(code)
+  assert (first['loaded'], restart['loaded']) == (False, True)
+  assert first['frames'] == 2 and restart['frames'] == 0
+  assert first['captures'] == restart['captures'] == 2
+  assert first['tokens'] == restart['tokens'] == [expected, expected]
+
+
+def test_a_cache_in_a_bucket_is_described_and_copied():
+  # See [Note: Cache objects in a call] in call_spec.py.
+  _, model = hf_models.build('llama')
+  device = torch_xla.device()
+  example = static_cache(model, 2, device)
+  bucket = CallSpec(TensorSpec((2, 1), torch.long), cache=example)
+  assert bucket.describe() == (
+      '(int64[2, 1], cache=StaticCache(2 layers, initialized))')
+  layer = [
+      'StaticLayer', True,
+      [['cumulative_length', 'int64', 0], ['keys', 'float32', 4],
+       ['values', 'float32', 4]]
+  ]
+  assert bucket.layout() == [
+      'call', [['tensor', 'int64', 2]],
+      [['cache', ['cache', 'StaticCache', [layer, layer]]]]
+  ]
+  empty = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
+  assert CallSpec(
+      cache=empty).describe() == ('(cache=StaticCache(2 layers, empty))')
+  pool = {}
+  _, kwargs = bucket.materialize(device, pool)
+  copy = kwargs['cache']
+  assert copy is not example
+  assert copy.layers[0].keys is not example.layers[0].keys
+  assert copy.layers[0].keys.shape == example.layers[0].keys.shape
+  # A warm-up makes one copy of an example for all its buckets.
+  assert bucket.materialize(device, pool)[1]['cache'] is copy
+  assert bucket.materialize(device)[1]['cache'] is not copy
