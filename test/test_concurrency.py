@@ -470,18 +470,18 @@ def test_learning_ignores_a_call_during_which_a_module_changed(
   served = torch_xla_patches.serve(
       model, [(TensorSpec((b, WIDTH), torch.float32),) for b in (4, 6)])
   compiled = served.compiled
-  original = compiled.call_checked
+  original = compiled.call_captured
 
-  def train_while_running(*args, **kwargs):
+  def train_while_running(args, kwargs):
     # Another thread switches the model to training mode while this call
     # runs the evaluation-mode program.
-    result = original(*args, **kwargs)
+    result = original(args, kwargs)
     model.train()
     return result
 
-  monkeypatch.setattr(compiled, 'call_checked', train_while_running)
+  monkeypatch.setattr(compiled, 'call_captured', train_while_running)
   check(served, cpu, torch.randn(5, WIDTH))
-  monkeypatch.setattr(compiled, 'call_checked', original)
+  monkeypatch.setattr(compiled, 'call_captured', original)
   cpu.train()
   # Learned from that call and stamped with the module's generation after
   # it, the run of batch 5 would serve training mode with the evaluation

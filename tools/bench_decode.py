@@ -115,6 +115,7 @@ import copy
 import dataclasses
 import json
 import math
+import inspect
 import os
 import resource
 import statistics
@@ -888,6 +889,148 @@ def hf_module_table(results: Dict[tuple, Dict[str, Any]],
 HF_MODULE_MODES = ('upstream', 'patched', 'serve', 'serve-restart')
 
 
+def generate_cache(config: Any, cache_len: int, on: Any) -> Any:
+  """Part 6's StaticCache: one row, `cache_len` tokens, initialized (as a
+  server keeps one per batch size)."""
+  import transformers
+  cache = transformers.StaticCache(config=config, max_cache_len=cache_len)
+  cache.early_initialization(1, config.num_key_value_heads,
+                             config.hidden_size // config.num_attention_heads,
+                             torch.float32, on)
+  return cache
+
+
+def generate_buckets(example: Any, cache_len: int) -> List[Any]:
+  """generate()'s two calls of a Llama forward for one row: the prompt,
+  then one token against the cache's mask (see docs/serving.md)."""
+  from torch_xla_patches import CallSpec, TensorSpec
+  common = dict(cache=example,
+                logits_to_keep=1,
+                use_cache=True,
+                return_dict=True)
+  return [
+      CallSpec(input_ids=TensorSpec((1, HF_PROMPT), torch.long),
+               position_ids=TensorSpec((1, HF_PROMPT), torch.long),
+               **common),
+      CallSpec(input_ids=TensorSpec((1, 1), torch.long),
+               position_ids=TensorSpec((1, 1), torch.long),
+               attention_mask=TensorSpec((1, 1, 1, cache_len), torch.bool),
+               **common),
+  ]
+
+
+def hf_generate_row(mode: str, cache_len: int,
+                    new_tokens: int) -> Dict[str, Any]:
+  """One row of part 6, run in this process: generate() with a static cache
+  of `cache_len` on a compiled or served forward, twice."""
+  import torch_xla
+  import transformers
+  from torch._dynamo.utils import counters as dynamo_counters
+  device = torch_xla.device()
+  config = transformers.LlamaConfig(**HF_CONFIG,
+                                    max_position_embeddings=max(
+                                        cache_len, 2048))
+  torch.manual_seed(0)
+  cpu_model = transformers.LlamaForCausalLM(config).eval()
+  ids = torch.randint(0,
+                      config.vocab_size, (1, HF_PROMPT),
+                      generator=torch.Generator().manual_seed(1))
+
+  def generate(model, on, cache):
+    cache.reset()
+    with torch.no_grad():
+      return model.generate(ids.to(on),
+                            attention_mask=torch.ones_like(ids).to(on),
+                            max_new_tokens=new_tokens,
+                            do_sample=False,
+                            cache=cache).cpu()
+
+  expected = generate(cpu_model, 'cpu', generate_cache(config, cache_len,
+                                                       'cpu'))
+  model = copy.deepcopy(cpu_model).to(device)
+  start = time.perf_counter()
+  if mode == 'upstream':
+    target = torch.compile(model.forward, backend='openxla')
+  elif mode == 'patched':
+    import torch_xla_patches
+    torch_xla_patches.apply()
+    target = torch.compile(model.forward, backend='openxla')
+  else:
+    import torch_xla_patches
+    target = torch_xla_patches.serve(model.forward,
+                                     generate_buckets(
+                                         generate_cache(config, cache_len,
+                                                        device), cache_len),
+                                     cache_dir=os.environ[_HF_MODULE_CACHE_ENV])
+  calls: List[Tuple[float, float]] = []
+  first_token: List[float] = []
+
+  def forward(*args, **kwargs):
+    result, wall, host = time_call(target, *args, **kwargs)
+    if not first_token:
+      first_token.append(time.perf_counter())
+    calls.append((wall, host))
+    return result
+
+  # generate() passes what the forward's parameters name.
+  forward.__signature__ = inspect.signature(target)
+  model.forward = forward
+  frames_before = dynamo_counters['stats']['unique_graphs']
+  cache = generate_cache(config, cache_len, device)
+  got = generate(model, device, cache)
+  calls.clear()
+  before = compiles()
+  again = generate(model, device, cache)
+  steps = calls[1:]  # calls[0] is the prompt
+  return {
+      'first_token_s':
+          first_token[0] - start,
+      'step_ms':
+          statistics.median(w for w, _ in steps) * 1e3,
+      'host_us':
+          statistics.median(h for _, h in steps) * 1e6,
+      'peak_rss_mib':
+          peak_rss_mib(),
+      'compiles':
+          compiles() - before,
+      'loaded':
+          bool(getattr(target, 'loaded', False)),
+      'dynamo_frames':
+          dynamo_counters['stats']['unique_graphs'] - frames_before,
+      'donated':
+          counter('DynamoDonatedInput'),
+      'copied':
+          counter('DynamoDonationCopiedRead'),
+      'tokens_match':
+          torch.equal(got, expected) and torch.equal(again, expected),
+  }
+
+
+def hf_generate_table(results: Dict[tuple, Dict[str, Any]],
+                      lengths: Sequence[int]) -> List[str]:
+  """Part 6's markdown table."""
+  lines = [
+      '| row | static cache length | first token s | step ms | host us | '
+      'peak RSS MiB | compiles (second generation) | dynamo frames | '
+      'artifact loaded | donated / copied | vs eager tokens (two '
+      'generations) |',
+      '|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|',
+  ]
+  for mode in HF_MODULE_MODES:
+    for length in lengths:
+      r = results[(mode, length)]
+      if 'error' in r:
+        lines.append(_failed_row(lines, (mode, length), r['error']))
+        continue
+      check = 'ok' if r['tokens_match'] else 'MISMATCH'
+      lines.append(f'| {mode} | {length} | {_fmt(r["first_token_s"])} | '
+                   f'{_fmt(r["step_ms"])} | {_fmt(r["host_us"], 1)} | '
+                   f'{r["peak_rss_mib"]:.0f} | {r["compiles"]} | '
+                   f'{r["dynamo_frames"]} | {r["loaded"]} | '
+                   f'{r["donated"]} / {r["copied"]} | {check} |')
+  return lines
+
+
 def run_row(kind: str, mode: str, size: float, args) -> Dict[str, Any]:
   """A row in a fresh process of this tool; its JSON line, or
   {'error': ...}."""
@@ -938,6 +1081,8 @@ def row_main(kind: str, mode: str, size: float, args) -> int:
                          on_mesh=kind == 'paged-mesh')
     elif kind == 'hf-module':
       result = hf_module_row(mode, int(size), args.hf_tokens)
+    elif kind == 'hf-generate':
+      result = hf_generate_row(mode, int(size), args.hf_tokens)
     elif kind == 'floor':
       # A floor row's mode is its count of other live tensors.
       result = floor_row(size, int(mode), args.warmup, args.steps,
@@ -1110,6 +1255,10 @@ def main() -> int:
                       help='also part 5: a module holding a StaticCache, '
                       'through torch.compile and serve() (first start and '
                       'restart)')
+  parser.add_argument('--hf-generate',
+                      action='store_true',
+                      help='part 6: generate() on a compiled or served '
+                      'forward')
   parser.add_argument('--skip-hf', action='store_true')
   parser.add_argument('--skip-paged', action='store_true')
   parser.add_argument('--row', nargs=3, help=argparse.SUPPRESS)
@@ -1182,6 +1331,23 @@ def main() -> int:
         'of the second generation\'s one-token calls; one fresh process per '
         'row (serve-restart on the directory serve filled)\n'
     ] + hf_module_table(results, lengths)
+  if args.hf_generate:
+    lengths = list(args.hf_lengths)
+    results = {}
+    for length in lengths:
+      with tempfile.TemporaryDirectory(prefix='xla_patches_hf_') as cache_dir:
+        os.environ[_HF_MODULE_CACHE_ENV] = cache_dir
+        for mode in HF_MODULE_MODES:
+          results[(mode, length)] = run_row('hf-generate', mode, length, args)
+    output += [
+        f'\ngenerate() with a static cache on a compiled or served forward '
+        f'(part 6): LlamaForCausalLM {HF_CONFIG["num_hidden_layers"]} layers, '
+        f'hidden {HF_CONFIG["hidden_size"]}, prompt {HF_PROMPT}, '
+        f'{args.hf_tokens} new tokens, twice on one initialized cache (reset '
+        'between); first token from the start of torch.compile or serve(); '
+        'step: median of the second generation\'s one-token calls; one fresh '
+        'process per row (serve-restart on the directory serve filled)\n'
+    ] + hf_generate_table(results, lengths)
   if args.floor:
     sizes = [args.small_mib, args.large_mib]
     results = {

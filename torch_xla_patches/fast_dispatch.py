@@ -208,6 +208,12 @@ class ServedModel:
     # first capture's guards refused; None for keys no capture serves
     # (traced again).
     self._route: Dict[Hashable, Optional[ServedCalls]] = {}
+    # The capture that served the last call without a key, which the next
+    # one tries first: generate()'s one-token steps (a cache object among
+    # their arguments has no key, see [Note: Cache objects in a call] in
+    # call_spec.py) are one capture's, and the first capture's guards
+    # would otherwise refuse each of them first.
+    self._keyless: Optional[ServedCalls] = None
     # The compile of the buckets, once serve() starts it (see [Note: Ready
     # at once] in serving.py).
     self.warm_up: Optional[Any] = None
@@ -245,7 +251,9 @@ class ServedModel:
         return self.compiled(*args, **kwargs)
     key, leaves = call_spec.call_key(args, kwargs, served[0].sharding_of)
     calls = served[0]
-    if key is not None and self._route:
+    if key is None:
+      calls = self._keyless or calls
+    elif self._route:
       calls = self._route.get(key, calls)
       if calls is None:
         return served[0].retrace(args, kwargs)
@@ -259,7 +267,9 @@ class ServedModel:
     calls = self._accepting(args, kwargs, refused_by)
     if calls is None:
       calls = self._captured_for(args, kwargs)
-    if key is not None:
+    if key is None:
+      self._keyless = calls
+    else:
       # None: calls of this key are traced again, without trying to
       # capture them each time.
       with execution.execution_lock:
@@ -484,14 +494,15 @@ class ServedCalls:
     global_states = _global_states()
     set_back = self._set_back.values() if self._set_back.paths else ()
     compiled = self.compiled
-    if not compiled.guard_check(*args, **kwargs):
+    captured = compiled.captured_arguments(args, kwargs)
+    if not compiled.guard_check_captured(*captured):
       if self._refused is not None:
         return self._refused(self, args, kwargs, key, leaves)
       return self.retrace(args, kwargs)
     if self._changed_behind is not None:
       self._refuse_changed_behind()
     with self._backend.observed_calls() as calls:
-      result = compiled.call_checked(*args, **kwargs)
+      result = compiled.call_captured(*captured)
     if (self.disabled_reason is None and len(calls) == 1 and key is not None and
         module_watch.installed):
       self._learn(key, leaves, result, calls[0], generation, global_states,

@@ -198,7 +198,12 @@ class CompiledModel:
     means the captured code does not apply and calling would raise. Checked
     under no_grad, as calls run, and under execution_lock (see [Note: What
     reads the model's tensors])."""
-    args, kwargs = self.captured_arguments(args, kwargs)
+    return self.guard_check_captured(*self.captured_arguments(args, kwargs))
+
+  def guard_check_captured(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
+    """guard_check of the captured function's arguments
+    (captured_arguments): a caller that goes on to call_captured binds the
+    call once."""
     with execution.execution_lock, torch.no_grad():
       return self.aot_fn.guard_check(*args, **kwargs)
 
@@ -211,8 +216,12 @@ class CompiledModel:
   def call_checked(self, *args, **kwargs) -> Any:
     """Calls the model for arguments that guard_check accepted, without
     checking the guards a second time."""
+    return self.call_captured(*self.captured_arguments(args, kwargs))
+
+  def call_captured(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
+    """call_checked of the captured function's arguments
+    (captured_arguments)."""
     function = torch_internals.aot_captured_function(self.aot_fn)
-    args, kwargs = self.captured_arguments(args, kwargs)
     with torch.no_grad():
       return function(*args, **kwargs)
 
