@@ -5,6 +5,7 @@
   python tools/bench_decode.py --floor --skip-paged --skip-hf   # part 3 only
   python tools/bench_decode.py --mesh --skip-paged --skip-hf    # part 4 only
   python tools/bench_decode.py --hf-module --skip-paged --skip-hf  # part 5
+  python tools/bench_decode.py --hf-generate --skip-paged --skip-hf  # part 6
 
 Part 1, a paged decode step as vLLM runs it (PagedDecoder below): the decode
 tokens of up to 24 sequences flattened and padded to a bucket of 8, 16 or 32
@@ -106,6 +107,18 @@ Columns: time to the first token from the start of torch.compile or
 serve(), the median one-token step and its host time in the second
 generation, peak RSS, dynamo frames compiled, whether serve() loaded its
 artifact, its fast calls.
+
+Part 6 (--hf-generate), transformers' generate() with a static cache of
+each --hf-lengths, --hf-tokens new tokens, twice on one initialized StaticCache
+passed as `cache=` (reset between), one fresh process per row:
+  upstream       model.forward = torch.compile(model.forward), no patch
+  patched        the same under torch_xla_patches.apply()
+  serve          model.forward = serve(model.forward, a prompt and a
+                 one-token bucket, cache_dir=...), a fresh directory
+  serve-restart  the same in a fresh process on the directory serve filled
+Columns as part 5's, with the XLA compiles of the second generation
+(generate()'s own small graphs among them) and the donated and copied
+inputs.
 
 All rows of one run are measured side by side; compare them as ratios (the
 machine may be shared).

@@ -200,12 +200,14 @@ def serve(model,
 
   Args:
     model: an nn.Module on the XLA device, for inference (calls run under
-      torch.no_grad()).
+      torch.no_grad()), or its bound forward, to put in the forward's place
+      (`model.forward = serve(model.forward, ...)`, for generate(); see
+      [Note: Serving a module's forward] in serialization.py).
     signatures: the serving buckets: an iterable of CallSpec (positional
-      and keyword arguments: TensorSpecs, scalars, strings and None, nested
-      in lists, tuples and dicts), or of tuples of TensorSpec for positional
-      tensors; every bucket of one structure, dtype and rank per tensor and
-      constant values. Other shapes are compiled when a call needs them.
+      and keyword arguments: TensorSpecs, scalars, strings, None and
+      transformers cache objects, nested in lists, tuples and dicts), or of
+      tuples of TensorSpec for positional tensors. Other shapes are compiled
+      when a call needs them.
     cache_dir: where the artifact (and, unless apply() was given another
       directory, the signature index) is kept across restarts; default
       XLA_PATCHES_CACHE_DIR. None: nothing is kept.
