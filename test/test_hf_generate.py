@@ -268,3 +268,36 @@ def test_a_cache_in_a_bucket_is_described_and_copied():
   # A warm-up makes one copy of an example for all its buckets.
   assert bucket.materialize(device, pool)[1]['cache'] is copy
   assert bucket.materialize(device)[1]['cache'] is not copy
+
+
+def test_padded_prompts_give_eagers_tokens():
+  # Rows of different lengths, left-padded: the prompt's call gets a mask
+  # the buckets did not name, and a capture of its own on that call.
+  prompts = torch.tensor([[0, 0, 5, 9], [1, 2, 3, 4]])
+  mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+
+  def run(model, on, cache):
+    cache.reset()
+    with torch.no_grad():
+      out = model.generate(prompts.to(on),
+                           attention_mask=mask.to(on),
+                           max_new_tokens=NEW_TOKENS,
+                           do_sample=False,
+                           cache=cache,
+                           pad_token_id=0)
+    return out[:, prompts.shape[1]:].cpu().tolist()
+
+  cpu, model = hf_models.build('llama')
+  expected = run(cpu, 'cpu', static_cache(cpu, 2, 'cpu'))
+  device = torch_xla.device()
+  model.forward = torch_xla_patches.serve(model.forward,
+                                          buckets(
+                                              static_cache(model, 2, device),
+                                              2),
+                                          wait=True)
+  met.clear_counters()
+  cache = static_cache(model, 2, device)
+  assert run(model, device, cache) == expected
+  assert run(model, device, cache) == expected
+  if versions.has_torch_aot_compile():
+    assert met.counter_value('ServeCapturedAgain') == 1

@@ -419,3 +419,15 @@ def test_a_served_forward_stands_in_for_the_modules_forward(patched_bridge):
   # The module's state, which a capture's guards pickle, holds the served
   # forward: it pickles as a placeholder.
   assert pickle.loads(pickle.dumps(served)) == '<served TinyLM, not unpickled>'
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_served_module_installed_as_its_forward_says_what_to_serve(
+    patched_bridge):
+  _, model = models(width=8)
+  model.forward = torch_xla_patches.serve(model, BUCKETS[:1], wait=True)
+  with pytest.raises(TypeError,
+                     match=r'serve the forward to put it in its '
+                     r'place: `model.forward = torch_xla_patches.serve\('
+                     r'model.forward, buckets\)`'):
+    model(torch.zeros(2, 8, dtype=torch.long, device=torch_xla.device()))

@@ -264,6 +264,13 @@ class ServedModel:
                key: Optional[Hashable], leaves: Sequence[Any]) -> Any:
     """Serves a call whose capture's guards refused it (see [Note: One
     capture per guard set] in serving.py)."""
+    if (self.model.__dict__.get('forward') is self and
+        not refused_by.compiled.forward_call):
+      # Every capture of the module's call would call this object again.
+      raise TypeError(
+          'torch_xla_patches.serve: a served module is installed as its own '
+          'forward; serve the forward to put it in its place: '
+          '`model.forward = torch_xla_patches.serve(model.forward, buckets)`')
     calls = self._accepting(args, kwargs, refused_by)
     if calls is None:
       calls = self._captured_for(args, kwargs)
