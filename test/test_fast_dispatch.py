@@ -610,3 +610,53 @@ def test_global_state_the_forward_changes_keeps_the_full_path(patched_bridge):
   # Three served calls and three of the CPU copy.
   assert state.calls == 6
   assert served.fast_calls == 0
+
+
+class Holder:
+  """A plain object holding a tensor, as a StaticCache holds its layers'."""
+
+  def __init__(self, scale):
+    self.scale = scale
+
+
+class ScalesThroughAHolder(torch.nn.Module):
+  """Reads a buffer through a plain attribute, as transformers'
+  TorchExportableModuleWithStaticCache reads its cache's buffers through
+  `static_cache.layers[i]`."""
+
+  def __init__(self):
+    super().__init__()
+    self.register_buffer('scale', torch.full((WIDTH,), 2.0))
+    self.holder = Holder(self.scale)
+
+  def _apply(self, fn, *args, **kwargs):
+    # `.to()` makes new buffers: the holder follows, as the cache's layers
+    # do in transformers' module.
+    module = super()._apply(fn, *args, **kwargs)
+    self.holder = Holder(self.scale)
+    return module
+
+  def forward(self, x):
+    return x * self.holder.scale + 1
+
+
+def test_a_buffer_read_through_a_plain_attribute_takes_the_fast_path(
+    patched_bridge):
+  # See [Note: Captured code the fast path can stand in for] in
+  # call_plan.py: the plan binds the buffer the path read, and each fast
+  # call checks the path still reads it.
+  cpu, model, served = served_model(ScalesThroughAHolder, [(TensorSpec(
+      (4, WIDTH), torch.float32),)])
+  assert served.calls.disabled_reason is None
+  paths = Paths(served)
+  for _ in range(2):
+    check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last() == {'fast': 2}
+  # A plain attribute set anew, which no registration hook sees: the next
+  # call takes the full path and reads the new tensor.
+  scale = torch.full((WIDTH,), 3.0)
+  model.holder = Holder(scale.to(torch_xla.device()))
+  cpu.holder = Holder(scale)
+  check(served, cpu, torch.randn(4, WIDTH))
+  assert paths.since_last()[fast_dispatch.COUNTER_FALLBACK_MODULE] == 1
+  check(served, cpu, torch.randn(4, WIDTH))

@@ -20,10 +20,18 @@ class PlanError(Exception):
 # [Note: Captured code the fast path can stand in for]
 # The fast path replaces the captured code, so it may only do so for code
 # that reads the graph's arguments (from the model's _modules, _parameters
-# and _buffers and the call's arguments, sizes through dynamo's call_size),
-# calls the graph and builds the result from its outputs and the arguments.
-# Anything else (a setattr dynamo replays, a global read, a constructor call)
-# is a reason for no plan. Python 3.11's opcodes.
+# and _buffers, from other attributes of the model (ModulePath) and the
+# call's arguments, sizes through dynamo's call_size), calls the graph and
+# builds the result from its outputs and the arguments. Anything else (a
+# setattr dynamo replays, a global read, a constructor call, an attribute
+# of a call's argument) is a reason for no plan. Python 3.11's opcodes.
+#
+# An attribute of the model other than a parameter, buffer or submodule (a
+# StaticCache the module holds: `module.static_cache.layers[0].keys`) is no
+# registration ModuleWatch sees: the plan binds what the learned call read
+# there, so every fast call checks that each such path still reads the
+# same object (ModulePath), and a call that finds another takes the full
+# path (COUNTER_FALLBACK_MODULE).
 _PLAIN_OPCODES = frozenset({
     'RESUME', 'NOP', 'CACHE', 'LOAD_FAST', 'LOAD_CONST', 'STORE_FAST',
     'DELETE_FAST', 'BINARY_SUBSCR', 'COPY', 'SWAP', 'POP_TOP', 'PUSH_NULL',
@@ -38,23 +46,37 @@ _PLAIN_ATTRIBUTES = frozenset({
 _PLAIN_GLOBAL_PREFIXES = ('__compiled_fn', '__import_torch_dot__dynamo_dot_')
 
 
-def check_captured_code(code: Any) -> Tuple['GlobalPath', ...]:
-  """The global state the fast path must find unchanged to stand in for
-  `code` (see [Note: Global state the captured code sets back]); () for
-  code that only reads arguments, calls the graph and builds the result.
-  Raises PlanError naming the first instruction it cannot stand in for
-  (see [Note: Captured code the fast path can stand in for])."""
+@dataclasses.dataclass(frozen=True)
+class CapturedCode:
+  """What the fast path must find unchanged to stand in for captured code.
+
+  Args:
+    set_back: the global state it sets back (see [Note: Global state the
+      captured code sets back]); () where it sets none.
+    module_paths: the model's attributes, other than parameters, buffers
+      and submodules, it reads before the graph (see [Note: Captured code
+      the fast path can stand in for]).
+  """
+  set_back: Tuple['GlobalPath', ...] = ()
+  module_paths: Tuple['ModulePath', ...] = ()
+
+
+def check_captured_code(code: Any) -> CapturedCode:
+  """What the fast path must find unchanged to stand in for `code`. Raises
+  PlanError naming the first instruction it cannot stand in for (see [Note:
+  Captured code the fast path can stand in for])."""
   instructions = list(dis.get_instructions(code))
-  first = _first_unplain(instructions)
-  if first is None:
-    return ()
   epilogue = next((index + 1
                    for index, instruction in enumerate(instructions)
                    if instruction.opname == 'STORE_FAST' and
                    str(instruction.argval).startswith('graph_out')), None)
-  if epilogue is None or _first_unplain(instructions[:epilogue]) is not None:
-    raise _does_more(first)
-  return _set_back_paths(instructions[epilogue:])
+  if epilogue is None:
+    epilogue = len(instructions)
+  module_paths = _module_paths(instructions[:epilogue])
+  rest = instructions[epilogue:]
+  if _first_unplain(rest) is None:
+    return CapturedCode(module_paths=module_paths)
+  return CapturedCode(set_back=_set_back_paths(rest), module_paths=module_paths)
 
 
 def _first_unplain(instructions: Sequence[Any]) -> Optional[Any]:
@@ -69,6 +91,145 @@ def _first_unplain(instructions: Sequence[Any]) -> Optional[Any]:
       continue
     return instruction
   return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePath:
+  """Attributes and items read in turn from the served model, at least one
+  of them an attribute other than _modules, _parameters and _buffers:
+  ('static_cache', 'layers', 0, 'keys')."""
+  steps: Tuple[Any, ...]
+
+  def value(self, model: Any) -> Any:
+    """What the path reads now; raises (AttributeError, KeyError,
+    IndexError, TypeError) when a part of it is gone."""
+    value = model
+    for step in self.steps:
+      value = getattr(value, step[1]) if step[0] == 'attr' else value[step[1]]
+    return value
+
+  def describe(self) -> str:
+    return 'model' + ''.join(f'.{name}' if kind == 'attr' else f'[{name!r}]'
+                             for kind, name in self.steps)
+
+
+class ModulePathCheck:
+  """Whether each ModulePath reads the object the learned call found."""
+
+  def __init__(self, paths: Sequence[ModulePath], model: Any):
+    self._paths = tuple(paths)
+    self._model = model
+    self._values = self.values()
+
+  def values(self) -> Optional[Tuple[Any, ...]]:
+    try:
+      return tuple(path.value(self._model) for path in self._paths)
+    except (AttributeError, KeyError, IndexError, TypeError):
+      return None
+
+  def unchanged(self) -> bool:
+    if not self._paths:
+      return True
+    now = self.values()
+    return (now is not None and self._values is not None and
+            all(a is b for a, b in zip(now, self._values)))
+
+
+# The captured function's parameter holding the served model (call_module
+# and call_forward in serialization.py).
+_MODEL_LOCAL = 'module'
+# Opcodes of the code before the graph call that only move values, and how
+# many they pop (a function of their argument) and push.
+_PROLOGUE_EFFECTS = {
+    'PUSH_NULL': (lambda n: 0, 1),
+    'PRECALL': (lambda n: 0, 0),
+    'KW_NAMES': (lambda n: 0, 0),
+    'CALL': (lambda n: n + 2, 1),
+    'POP_TOP': (lambda n: 1, 0),
+    'BUILD_TUPLE': (lambda n: n, 1),
+    'BUILD_LIST': (lambda n: n, 1),
+    'BUILD_MAP': (lambda n: 2 * n, 1),
+    'BUILD_CONST_KEY_MAP': (lambda n: n + 1, 1),
+    'LIST_EXTEND': (lambda n: 1, 0),
+    'LIST_APPEND': (lambda n: 1, 0),
+    'LIST_TO_TUPLE': (lambda n: 1, 1),
+}
+
+
+def _module_paths(prologue: Sequence[Any]) -> Tuple[ModulePath, ...]:
+  """Every ModulePath the code before the graph call reads; raises
+  PlanError where it does more than read the graph's arguments (see [Note:
+  Captured code the fast path can stand in for])."""
+  stack: List[Any] = []
+  local_values: Dict[str, Any] = {_MODEL_LOCAL: ()}
+  paths: Dict[ModulePath, None] = {}
+
+  def pop(instruction):
+    if not stack:
+      raise _does_more(instruction)
+    return stack.pop()
+
+  def extend(value: Any, step: Tuple[str, Any]) -> Any:
+    if not isinstance(value, tuple):
+      return _OTHER
+    steps = value + (step,)
+    if any(kind == 'attr' and name not in _PLAIN_ATTRIBUTES
+           for kind, name in steps):
+      paths[ModulePath(steps)] = None
+    return steps
+
+  for instruction in prologue:
+    name, argument = instruction.opname, instruction.argval
+    if name in ('RESUME', 'NOP', 'CACHE', 'DELETE_FAST'):
+      continue
+    if name == 'LOAD_FAST':
+      stack.append(local_values.get(argument, _OTHER))
+    elif name == 'STORE_FAST':
+      local_values[argument] = pop(instruction)
+    elif name == 'LOAD_CONST':
+      stack.append(_Constant(argument))
+    elif name == 'LOAD_GLOBAL':
+      if not str(argument).startswith(_PLAIN_GLOBAL_PREFIXES):
+        raise _does_more(instruction)
+      if instruction.arg & 1:
+        stack.append(_OTHER)  # the NULL before a callable
+      stack.append(_OTHER)
+    elif name == 'LOAD_ATTR':
+      value = pop(instruction)
+      if isinstance(value, tuple):
+        stack.append(extend(value, ('attr', argument)))
+      elif argument in _PLAIN_ATTRIBUTES:
+        stack.append(_OTHER)
+      else:
+        raise _does_more(instruction)
+    elif name == 'BINARY_SUBSCR':
+      index, value = pop(instruction), pop(instruction)
+      stack.append(
+          extend(value, (
+              'item', index.value)) if isinstance(index, _Constant) else _OTHER)
+    elif name == 'COPY':
+      if len(stack) < argument:
+        raise _does_more(instruction)
+      stack.append(stack[-argument])
+    elif name == 'SWAP':
+      if len(stack) < argument:
+        raise _does_more(instruction)
+      stack[-1], stack[-argument] = stack[-argument], stack[-1]
+    elif name == 'UNPACK_SEQUENCE':
+      pop(instruction)
+      stack.extend([_OTHER] * argument)
+    elif name in _PROLOGUE_EFFECTS:
+      count, pushes = _PROLOGUE_EFFECTS[name]
+      for _ in range(count(instruction.arg or 0)):
+        pop(instruction)
+      stack.extend([_OTHER] * pushes)
+    else:
+      raise _does_more(instruction)
+  # What a path's prefix reads matters only through what the path reads.
+  return tuple(
+      path for path in paths
+      if not any(other.steps[:len(path.steps)] == path.steps and other != path
+                 for other in paths))
 
 
 def _does_more(instruction: Any) -> PlanError:

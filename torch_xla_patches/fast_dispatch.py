@@ -386,16 +386,21 @@ class ServedCalls:
     native.helpers()
     # Why there is no fast path, once known for good (the captured code).
     self.disabled_reason: Optional[str] = None
-    paths: Tuple[call_plan.GlobalPath, ...] = ()
+    captured = call_plan.CapturedCode()
     try:
-      paths = call_plan.check_captured_code(compiled.transformed_code)
+      captured = call_plan.check_captured_code(compiled.transformed_code)
     except call_plan.PlanError as e:
       self._disable(str(e))
     # What the captured code sets back after the graph, which a fast call
     # must find as it was (see [Note: Global state the captured code sets
     # back] in call_plan.py).
     self._set_back = call_plan.SetBackState(
-        paths, compiled.captured_globals if paths else {})
+        captured.set_back,
+        compiled.captured_globals if captured.set_back else {})
+    # The model's attributes the captured code reads the graph's arguments
+    # through, besides its parameters, buffers and submodules (see [Note:
+    # Captured code the fast path can stand in for] in call_plan.py).
+    self._module_paths = captured.module_paths
     self._learned = _Learned.NOTHING
     # Watched from the start: a change during the first full call (the
     # warm-up compiles without running, so learns nothing) must be seen.
@@ -457,6 +462,10 @@ class ServedCalls:
         not self._set_back.unchanged_since(learned.set_back)):
       _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
       return None
+    if not learned.path_check.unchanged():
+      _increment_counter(COUNTER_FALLBACK_MODULE, 1)
+      self._forget(learned)
+      return None
     if config.serve_check_bound_tensors and not learned.bound_check():
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._changed_behind = learned.bound_check
@@ -500,6 +509,8 @@ class ServedCalls:
     generation = module_watch.generation
     global_states = _global_states()
     set_back = self._set_back.values() if self._set_back.paths else ()
+    paths = (call_plan.ModulePathCheck(self._module_paths, self._model)
+             if self._module_paths else _NO_PATHS)
     compiled = self.compiled
     captured = compiled.captured_arguments(args, kwargs)
     if not compiled.guard_check_captured(*captured):
@@ -513,7 +524,7 @@ class ServedCalls:
     if (self.disabled_reason is None and len(calls) == 1 and key is not None and
         module_watch.installed):
       self._learn(key, leaves, result, calls[0], generation, global_states,
-                  set_back)
+                  set_back, paths)
     return result
 
   def _refuse_changed_behind(self) -> None:
@@ -557,12 +568,18 @@ class ServedCalls:
 
   def _learn(self, key: Hashable, leaves: Sequence[Any], result: Any,
              call: Tuple[tuple, tuple], generation: int,
-             global_states: Tuple[Any, Any], set_back: Tuple[Any, ...]) -> None:
+             global_states: Tuple[Any, Any], set_back: Tuple[Any, ...],
+             paths: call_plan.ModulePathCheck) -> None:
     """Learns the run of `key` from a full call, accepted by dynamo's
     guards, that called the graph once as `call` shows; `generation`,
-    `global_states` and `set_back` were read before the guards ran."""
+    `global_states`, `set_back` and `paths` were read before the guards
+    ran."""
     with execution.execution_lock:
       if module_watch.generation != generation:
+        return
+      if not paths.unchanged():
+        # The call (or another thread) set an attribute the graph's
+        # arguments are read through: the plan could hold either side.
         return
       if self._set_back.paths and not self._set_back.unchanged_since(set_back):
         # The call changed global state the captured code sets back: the
@@ -599,12 +616,16 @@ class ServedCalls:
       cap = config.max_signatures_per_graph
       while cap > 0 and len(runs) > cap:
         del runs[next(iter(runs))]
+      if learned.plan is not None and learned.path_check is not paths:
+        # One check per plan: the paths read what the plan binds.
+        paths = learned.path_check
       self._learned = _Learned(generation=generation,
                                global_states=global_states,
                                plan=plan,
                                bound_check=bound_check,
                                runs=runs,
-                               set_back=set_back)
+                               set_back=set_back,
+                               path_check=paths)
 
   def _say_no_plan(self, reason: str) -> None:
     if reason != self._last_plan_error:
@@ -652,6 +673,17 @@ class ServedCalls:
 _Run = Callable[[Sequence[Any]], Any]
 
 
+class _NoPaths:
+  """The ModulePathCheck of captured code that reads no module path."""
+
+  @staticmethod
+  def unchanged() -> bool:
+    return True
+
+
+_NO_PATHS = _NoPaths()
+
+
 @dataclasses.dataclass
 class _Learned:
   """What the fast path learned from full calls of one module generation
@@ -669,6 +701,8 @@ class _Learned:
     set_back: what the global state the captured code sets back read
       before the full calls (see [Note: Global state the captured code sets
       back] in call_plan.py); () when it sets nothing back.
+    path_check: whether the model's attributes the plan's tensors were
+      read through still read them (call_plan.ModulePathCheck).
   """
   generation: int
   global_states: Tuple[Any, ...]
@@ -676,6 +710,7 @@ class _Learned:
   bound_check: 'call_plan.BoundTensorCheck'
   runs: Dict[Hashable, _Run]
   set_back: Tuple[Any, ...] = ()
+  path_check: Any = _NO_PATHS
 
 
 _Learned.NOTHING = _Learned(generation=-1,
