@@ -6,6 +6,7 @@
   python tools/bench_decode.py --mesh --skip-paged --skip-hf    # part 4 only
   python tools/bench_decode.py --hf-module --skip-paged --skip-hf  # part 5
   python tools/bench_decode.py --hf-generate --skip-paged --skip-hf  # part 6
+  python tools/bench_decode.py --hf-export --skip-paged --skip-hf  # part 7
 
 Part 1, a paged decode step as vLLM runs it (PagedDecoder below): the decode
 tokens of up to 24 sequences flattened and padded to a bucket of 8, 16 or 32
@@ -119,6 +120,11 @@ passed as `cache=` (reset between), one fresh process per row:
 Columns as part 5's, with the XLA compiles of the second generation
 (generate()'s own small graphs among them) and the donated and copied
 inputs.
+
+Part 7 (--hf-export), transformers' own TorchExportableModuleWithStaticCache
+(its cache tensors registered as buffers), fed the prompt and then its
+greedy tokens one at a time, twice (the cache reset between), in the rows
+and columns of part 5 (serve: one one-token bucket).
 
 All rows of one run are measured side by side; compare them as ratios (the
 machine may be shared).
@@ -828,6 +834,7 @@ def hf_module_row(mode: str, cache_len: int, new_tokens: int) -> Dict[str, Any]:
   expected = greedy(CachedDecoder(cpu_model, cache_len, 'cpu'), 'cpu')
   model = copy.deepcopy(cpu_model).to(device)
   decoder = CachedDecoder(model, cache_len, device)
+  frames_before = dynamo_counters['stats']['unique_graphs']
   start = time.perf_counter()
   if mode == 'upstream':
     forward = torch.compile(decoder, backend='openxla')
@@ -848,7 +855,6 @@ def hf_module_row(mode: str, cache_len: int, new_tokens: int) -> Dict[str, Any]:
         ],
         cache_dir=os.environ[_HF_MODULE_CACHE_ENV])
   first_token = []
-  frames_before = dynamo_counters['stats']['unique_graphs']
   got = greedy(forward, device, first_token)
   # A second generation on the same cache, after a reset, timed.
   decoder.cache.reset()
@@ -900,6 +906,96 @@ def hf_module_table(results: Dict[tuple, Dict[str, Any]],
 
 
 HF_MODULE_MODES = ('upstream', 'patched', 'serve', 'serve-restart')
+
+
+def hf_export_row(mode: str, cache_len: int, new_tokens: int) -> Dict[str, Any]:
+  """One row of part 7, run in this process: transformers'
+  TorchExportableModuleWithStaticCache fed the prompt and then its greedy
+  tokens one at a time, twice (the cache reset between)."""
+  import torch_xla
+  import transformers
+  from torch._dynamo.utils import counters as dynamo_counters
+  from transformers.integrations import executorch
+  device = torch_xla.device()
+  config = transformers.LlamaConfig(**HF_CONFIG,
+                                    max_position_embeddings=max(
+                                        cache_len, 2048))
+  torch.manual_seed(0)
+  cpu_model = transformers.LlamaForCausalLM(config).eval()
+  cpu_model.generation_config.cache_implementation = 'static'
+  cpu_model.generation_config.use_cache = True
+  prompt = torch.randint(0,
+                         config.vocab_size, (HF_PROMPT,),
+                         generator=torch.Generator().manual_seed(1)).tolist()
+
+  def export_module(model, on):
+    return executorch.TorchExportableModuleWithStaticCache(
+        model, batch_size=1, max_cache_len=cache_len, device=on)
+
+  def greedy(forward, on, timed=None):
+    tokens = []
+    with torch.no_grad():
+      for position in range(HF_PROMPT + new_tokens - 1):
+        token = prompt[position] if position < HF_PROMPT else tokens[-1]
+        args = dict(input_ids=torch.tensor([[token]], device=on),
+                    cache_position=torch.tensor([position], device=on))
+        if timed is None:
+          logits = forward(**args)
+        else:
+          logits, wall, host = time_call(forward, **args)
+          timed.append((wall, host))
+        tokens.append(int(logits[:, -1].argmax(-1)))
+    return tokens
+
+  expected = greedy(export_module(cpu_model, 'cpu'), 'cpu')
+  model = copy.deepcopy(cpu_model).to(device)
+  module = export_module(model, device)
+  frames_before = dynamo_counters['stats']['unique_graphs']
+  start = time.perf_counter()
+  if mode == 'upstream':
+    forward = torch.compile(module, backend='openxla')
+  elif mode == 'patched':
+    import torch_xla_patches
+    torch_xla_patches.apply()
+    forward = torch.compile(module, backend='openxla')
+  else:
+    import torch_xla_patches
+    from torch_xla_patches import CallSpec, TensorSpec
+    forward = torch_xla_patches.serve(
+        module, [
+            CallSpec(input_ids=TensorSpec((1, 1), torch.long),
+                     cache_position=TensorSpec((1,), torch.long))
+        ],
+        cache_dir=os.environ[_HF_MODULE_CACHE_ENV])
+  first: List[Tuple[float, float]] = []
+  with torch.no_grad():
+    forward(input_ids=torch.tensor([[prompt[0]]], device=device),
+            cache_position=torch.tensor([0], device=device)).cpu()
+  first_token_s = time.perf_counter() - start
+  module.static_cache.reset()
+  got = greedy(forward, device)
+  module.static_cache.reset()
+  timed: List[Tuple[float, float]] = []
+  again = greedy(forward, device, timed)
+  steps = timed[HF_PROMPT:]  # the generated tokens' steps
+  return {
+      'first_token_s':
+          first_token_s,
+      'step_ms':
+          statistics.median(w for w, _ in steps) * 1e3,
+      'host_us':
+          statistics.median(h for _, h in steps) * 1e6,
+      'peak_rss_mib':
+          peak_rss_mib(),
+      'loaded':
+          bool(getattr(forward, 'loaded', False)),
+      'dynamo_frames':
+          dynamo_counters['stats']['unique_graphs'] - frames_before,
+      'fast_calls': (forward.fast_calls
+                     if getattr(forward, 'calls', None) is not None else None),
+      'tokens_match':
+          got == expected and again == expected,
+  }
 
 
 def generate_cache(config: Any, cache_len: int, on: Any) -> Any:
@@ -961,6 +1057,7 @@ def hf_generate_row(mode: str, cache_len: int,
   expected = generate(cpu_model, 'cpu', generate_cache(config, cache_len,
                                                        'cpu'))
   model = copy.deepcopy(cpu_model).to(device)
+  frames_before = dynamo_counters['stats']['unique_graphs']
   start = time.perf_counter()
   if mode == 'upstream':
     target = torch.compile(model.forward, backend='openxla')
@@ -988,7 +1085,6 @@ def hf_generate_row(mode: str, cache_len: int,
   # generate() passes what the forward's parameters name.
   forward.__signature__ = inspect.signature(target)
   model.forward = forward
-  frames_before = dynamo_counters['stats']['unique_graphs']
   cache = generate_cache(config, cache_len, device)
   got = generate(model, device, cache)
   calls.clear()
@@ -1096,6 +1192,8 @@ def row_main(kind: str, mode: str, size: float, args) -> int:
       result = hf_module_row(mode, int(size), args.hf_tokens)
     elif kind == 'hf-generate':
       result = hf_generate_row(mode, int(size), args.hf_tokens)
+    elif kind == 'hf-export':
+      result = hf_export_row(mode, int(size), args.hf_tokens)
     elif kind == 'floor':
       # A floor row's mode is its count of other live tensors.
       result = floor_row(size, int(mode), args.warmup, args.steps,
@@ -1272,6 +1370,10 @@ def main() -> int:
                       action='store_true',
                       help='part 6: generate() on a compiled or served '
                       'forward')
+  parser.add_argument('--hf-export',
+                      action='store_true',
+                      help='part 7: transformers\' '
+                      'TorchExportableModuleWithStaticCache, one token a call')
   parser.add_argument('--skip-hf', action='store_true')
   parser.add_argument('--skip-paged', action='store_true')
   parser.add_argument('--row', nargs=3, help=argparse.SUPPRESS)
@@ -1361,6 +1463,24 @@ def main() -> int:
         'step: median of the second generation\'s one-token calls; one fresh '
         'process per row (serve-restart on the directory serve filled)\n'
     ] + hf_generate_table(results, lengths)
+  if args.hf_export:
+    lengths = list(args.hf_lengths)
+    results = {}
+    for length in lengths:
+      with tempfile.TemporaryDirectory(prefix='xla_patches_hf_') as cache_dir:
+        os.environ[_HF_MODULE_CACHE_ENV] = cache_dir
+        for mode in HF_MODULE_MODES:
+          results[(mode, length)] = run_row('hf-export', mode, length, args)
+    output += [
+        f'\ntransformers\' TorchExportableModuleWithStaticCache (part 7): '
+        f'LlamaForCausalLM {HF_CONFIG["num_hidden_layers"]} layers, hidden '
+        f'{HF_CONFIG["hidden_size"]}, prompt {HF_PROMPT} fed one token at a '
+        f'time, then {args.hf_tokens} greedy tokens, twice (the cache reset '
+        'between); first token: from the start of torch.compile or serve() '
+        'to the first call\'s end; step: median of the second pass\'s '
+        'generated tokens; fast calls of both passes; one fresh process per '
+        'row (serve-restart on the directory serve filled)\n'
+    ] + hf_module_table(results, lengths)
   if args.floor:
     sizes = [args.small_mib, args.large_mib]
     results = {
