@@ -836,48 +836,57 @@ def hf_module_row(mode: str, cache_len: int, new_tokens: int) -> Dict[str, Any]:
   decoder = CachedDecoder(model, cache_len, device)
   frames_before = dynamo_counters['stats']['unique_graphs']
   start = time.perf_counter()
-  if mode == 'upstream':
-    forward = torch.compile(decoder, backend='openxla')
-  elif mode == 'patched':
-    import torch_xla_patches
-    torch_xla_patches.apply()
-    forward = torch.compile(decoder, backend='openxla')
-  else:
-    import torch_xla_patches
+
+  def buckets():
     from torch_xla_patches import CallSpec, TensorSpec
-    forward = torch_xla_patches.serve(
-        decoder, [
-            CallSpec(TensorSpec(
-                (1, HF_PROMPT), torch.long), TensorSpec(
-                    (HF_PROMPT,), torch.long)),
-            CallSpec(TensorSpec((1, 1), torch.long), TensorSpec(
-                (1,), torch.long))
-        ],
-        cache_dir=os.environ[_HF_MODULE_CACHE_ENV])
+    return [
+        CallSpec(TensorSpec((1, HF_PROMPT), torch.long),
+                 TensorSpec((HF_PROMPT,), torch.long)),
+        CallSpec(TensorSpec((1, 1), torch.long), TensorSpec((1,), torch.long))
+    ]
+
+  forward = compiled_or_served(mode, decoder, buckets)
   first_token = []
   got = greedy(forward, device, first_token)
   # A second generation on the same cache, after a reset, timed.
   decoder.cache.reset()
   timed_steps.clear()
   again = greedy(forward, device, [])
+  return module_row(forward, first_token[0] - start, timed_steps,
+                    dynamo_counters['stats']['unique_graphs'] - frames_before,
+                    got == expected and again == expected)
+
+
+def compiled_or_served(mode: str, target: Any,
+                       buckets: Callable[[], List[Any]]) -> Any:
+  """`target` under upstream torch.compile, under the patch's, or served
+  with `buckets()` in the row's cache directory (parts 5 to 7)."""
+  if mode == 'upstream':
+    return torch.compile(target, backend='openxla')
+  import torch_xla_patches
+  if mode == 'patched':
+    torch_xla_patches.apply()
+    return torch.compile(target, backend='openxla')
+  return torch_xla_patches.serve(target,
+                                 buckets(),
+                                 cache_dir=os.environ[_HF_MODULE_CACHE_ENV])
+
+
+def module_row(forward: Any, first_token_s: float,
+               steps: Sequence[Tuple[float, float]], dynamo_frames: int,
+               tokens_match: bool) -> Dict[str, Any]:
+  """A row of part 5 or 7: `steps` are the timed steps' (wall, host)."""
   return {
-      'first_token_s':
-          first_token[0] - start,
-      'step_ms':
-          statistics.median(w for w, _ in timed_steps) * 1e3,
-      'host_us':
-          statistics.median(h for _, h in timed_steps) * 1e6,
-      'peak_rss_mib':
-          peak_rss_mib(),
-      'loaded':
-          bool(getattr(forward, 'loaded', False)),
-      'dynamo_frames':
-          dynamo_counters['stats']['unique_graphs'] - frames_before,
+      'first_token_s': first_token_s,
+      'step_ms': statistics.median(w for w, _ in steps) * 1e3,
+      'host_us': statistics.median(h for _, h in steps) * 1e6,
+      'peak_rss_mib': peak_rss_mib(),
+      'loaded': bool(getattr(forward, 'loaded', False)),
+      'dynamo_frames': dynamo_frames,
       # Of every capture (a one-token bucket has one of its own).
       'fast_calls': (forward.fast_calls
                      if getattr(forward, 'calls', None) is not None else None),
-      'tokens_match':
-          got == expected and again == expected,
+      'tokens_match': tokens_match,
   }
 
 
@@ -952,22 +961,15 @@ def hf_export_row(mode: str, cache_len: int, new_tokens: int) -> Dict[str, Any]:
   module = export_module(model, device)
   frames_before = dynamo_counters['stats']['unique_graphs']
   start = time.perf_counter()
-  if mode == 'upstream':
-    forward = torch.compile(module, backend='openxla')
-  elif mode == 'patched':
-    import torch_xla_patches
-    torch_xla_patches.apply()
-    forward = torch.compile(module, backend='openxla')
-  else:
-    import torch_xla_patches
+
+  def buckets():
     from torch_xla_patches import CallSpec, TensorSpec
-    forward = torch_xla_patches.serve(
-        module, [
-            CallSpec(input_ids=TensorSpec((1, 1), torch.long),
-                     cache_position=TensorSpec((1,), torch.long))
-        ],
-        cache_dir=os.environ[_HF_MODULE_CACHE_ENV])
-  first: List[Tuple[float, float]] = []
+    return [
+        CallSpec(input_ids=TensorSpec((1, 1), torch.long),
+                 cache_position=TensorSpec((1,), torch.long))
+    ]
+
+  forward = compiled_or_served(mode, module, buckets)
   with torch.no_grad():
     forward(input_ids=torch.tensor([[prompt[0]]], device=device),
             cache_position=torch.tensor([0], device=device)).cpu()
@@ -977,25 +979,10 @@ def hf_export_row(mode: str, cache_len: int, new_tokens: int) -> Dict[str, Any]:
   module.static_cache.reset()
   timed: List[Tuple[float, float]] = []
   again = greedy(forward, device, timed)
-  steps = timed[HF_PROMPT:]  # the generated tokens' steps
-  return {
-      'first_token_s':
-          first_token_s,
-      'step_ms':
-          statistics.median(w for w, _ in steps) * 1e3,
-      'host_us':
-          statistics.median(h for _, h in steps) * 1e6,
-      'peak_rss_mib':
-          peak_rss_mib(),
-      'loaded':
-          bool(getattr(forward, 'loaded', False)),
-      'dynamo_frames':
-          dynamo_counters['stats']['unique_graphs'] - frames_before,
-      'fast_calls': (forward.fast_calls
-                     if getattr(forward, 'calls', None) is not None else None),
-      'tokens_match':
-          got == expected and again == expected,
-  }
+  # The generated tokens' steps.
+  return module_row(forward, first_token_s, timed[HF_PROMPT:],
+                    dynamo_counters['stats']['unique_graphs'] - frames_before,
+                    got == expected and again == expected)
 
 
 def generate_cache(config: Any, cache_len: int, on: Any) -> Any:
@@ -1059,19 +1046,9 @@ def hf_generate_row(mode: str, cache_len: int,
   model = copy.deepcopy(cpu_model).to(device)
   frames_before = dynamo_counters['stats']['unique_graphs']
   start = time.perf_counter()
-  if mode == 'upstream':
-    target = torch.compile(model.forward, backend='openxla')
-  elif mode == 'patched':
-    import torch_xla_patches
-    torch_xla_patches.apply()
-    target = torch.compile(model.forward, backend='openxla')
-  else:
-    import torch_xla_patches
-    target = torch_xla_patches.serve(model.forward,
-                                     generate_buckets(
-                                         generate_cache(config, cache_len,
-                                                        device), cache_len),
-                                     cache_dir=os.environ[_HF_MODULE_CACHE_ENV])
+  target = compiled_or_served(
+      mode, model.forward, lambda: generate_buckets(
+          generate_cache(config, cache_len, device), cache_len))
   calls: List[Tuple[float, float]] = []
   first_token: List[float] = []
 
@@ -1176,6 +1153,19 @@ def run_row(kind: str, mode: str, size: float, args) -> Dict[str, Any]:
         file=sys.stderr,
         flush=True)
   return result
+
+
+def hf_serve_rows(kind: str, args) -> Dict[tuple, Dict[str, Any]]:
+  """Parts 5 to 7: each of HF_MODULE_MODES at each --hf-lengths, a fresh
+  cache directory per length (serve-restart runs on the one serve
+  filled)."""
+  results = {}
+  for length in args.hf_lengths:
+    with tempfile.TemporaryDirectory(prefix='xla_patches_hf_') as cache_dir:
+      os.environ[_HF_MODULE_CACHE_ENV] = cache_dir
+      for mode in HF_MODULE_MODES:
+        results[(mode, length)] = run_row(kind, mode, length, args)
+  return results
 
 
 def row_main(kind: str, mode: str, size: float, args) -> int:
@@ -1431,12 +1421,7 @@ def main() -> int:
     ] + paged_table(results, sizes)
   if args.hf_module:
     lengths = list(args.hf_lengths)
-    results = {}
-    for length in lengths:
-      with tempfile.TemporaryDirectory(prefix='xla_patches_hf_') as cache_dir:
-        os.environ[_HF_MODULE_CACHE_ENV] = cache_dir
-        for mode in HF_MODULE_MODES:
-          results[(mode, length)] = run_row('hf-module', mode, length, args)
+    results = hf_serve_rows('hf-module', args)
     output += [
         f'\nA module holding a StaticCache (part 5): LlamaForCausalLM '
         f'{HF_CONFIG["num_hidden_layers"]} layers, hidden '
@@ -1448,12 +1433,7 @@ def main() -> int:
     ] + hf_module_table(results, lengths)
   if args.hf_generate:
     lengths = list(args.hf_lengths)
-    results = {}
-    for length in lengths:
-      with tempfile.TemporaryDirectory(prefix='xla_patches_hf_') as cache_dir:
-        os.environ[_HF_MODULE_CACHE_ENV] = cache_dir
-        for mode in HF_MODULE_MODES:
-          results[(mode, length)] = run_row('hf-generate', mode, length, args)
+    results = hf_serve_rows('hf-generate', args)
     output += [
         f'\ngenerate() with a static cache on a compiled or served forward '
         f'(part 6): LlamaForCausalLM {HF_CONFIG["num_hidden_layers"]} layers, '
@@ -1465,12 +1445,7 @@ def main() -> int:
     ] + hf_generate_table(results, lengths)
   if args.hf_export:
     lengths = list(args.hf_lengths)
-    results = {}
-    for length in lengths:
-      with tempfile.TemporaryDirectory(prefix='xla_patches_hf_') as cache_dir:
-        os.environ[_HF_MODULE_CACHE_ENV] = cache_dir
-        for mode in HF_MODULE_MODES:
-          results[(mode, length)] = run_row('hf-export', mode, length, args)
+    results = hf_serve_rows('hf-export', args)
     output += [
         f'\ntransformers\' TorchExportableModuleWithStaticCache (part 7): '
         f'LlamaForCausalLM {HF_CONFIG["num_hidden_layers"]} layers, hidden '

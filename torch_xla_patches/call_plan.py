@@ -207,14 +207,8 @@ def _module_paths(prologue: Sequence[Any]) -> Tuple[ModulePath, ...]:
       stack.append(
           extend(value, (
               'item', index.value)) if isinstance(index, _Constant) else _OTHER)
-    elif name == 'COPY':
-      if len(stack) < argument:
-        raise _does_more(instruction)
-      stack.append(stack[-argument])
-    elif name == 'SWAP':
-      if len(stack) < argument:
-        raise _does_more(instruction)
-      stack[-1], stack[-argument] = stack[-argument], stack[-1]
+    elif name in ('COPY', 'SWAP'):
+      _copy_or_swap(stack, instruction)
     elif name == 'UNPACK_SEQUENCE':
       pop(instruction)
       stack.extend([_OTHER] * argument)
@@ -230,6 +224,17 @@ def _module_paths(prologue: Sequence[Any]) -> Tuple[ModulePath, ...]:
       path for path in paths
       if not any(other.steps[:len(path.steps)] == path.steps and other != path
                  for other in paths))
+
+
+def _copy_or_swap(stack: List[Any], instruction: Any) -> None:
+  """COPY or SWAP `instruction` on an abstract stack."""
+  depth = instruction.argval
+  if len(stack) < depth:
+    raise _does_more(instruction)
+  if instruction.opname == 'COPY':
+    stack.append(stack[-depth])
+  else:
+    stack[-1], stack[-depth] = stack[-depth], stack[-1]
 
 
 def _does_more(instruction: Any) -> PlanError:
@@ -373,14 +378,8 @@ def _set_back_paths(epilogue: Sequence[Any]) -> Tuple[GlobalPath, ...]:
       stack.append(local_values.get(argument, _OTHER))
     elif name == 'STORE_FAST':
       local_values[argument] = pop(instruction)
-    elif name == 'COPY':
-      if len(stack) < argument:
-        raise _does_more(instruction)
-      stack.append(stack[-argument])
-    elif name == 'SWAP':
-      if len(stack) < argument:
-        raise _does_more(instruction)
-      stack[-1], stack[-argument] = stack[-argument], stack[-1]
+    elif name in ('COPY', 'SWAP'):
+      _copy_or_swap(stack, instruction)
     elif name == 'POP_TOP':
       pop(instruction)
     elif name == 'STORE_ATTR':
