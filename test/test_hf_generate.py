@@ -1,7 +1,7 @@
 """transformers' generate() with a static cache on a served forward
 (`model.forward = serve(model.forward, buckets)`, as transformers' docs do
 with torch.compile): the cache is an argument of every step (see [Note:
-Cache objects in a call] in call_spec.py), tokens equal eager's, the
+Objects in a call] in call_spec.py), tokens equal eager's, the
 buckets' example caches keep what they held, and a restart serves with no
 dynamo frame."""
 import os
@@ -240,25 +240,40 @@ def test_a_restart_generates_without_dynamo(tmp_path):
 
 
 def test_a_cache_in_a_bucket_is_described_and_copied():
-  # See [Note: Cache objects in a call] in call_spec.py.
+  # See [Note: Objects in a call] in call_spec.py.
   _, model = hf_models.build('llama')
   device = torch_xla.device()
   example = static_cache(model, 2, device)
   bucket = CallSpec(TensorSpec((2, 1), torch.long), cache=example)
-  assert bucket.describe() == (
-      '(int64[2, 1], cache=StaticCache(2 layers, initialized))')
+  assert bucket.describe() == '(int64[2, 1], cache=StaticCache(6 tensors))'
   layer = [
-      'StaticLayer', True,
-      [['cumulative_length', 'int64', 0], ['keys', 'float32', 4],
-       ['values', 'float32', 4]]
+      'object', 'StaticLayer',
+      [['batch_size', ['int']], ['cumulative_length', ['tensor', 'int64', 0]],
+       ['device', ['device', 'xla:0']], ['is_initialized', ['bool', True]],
+       ['k_head_dim', ['int']], ['keys', ['tensor', 'float32', 4]],
+       ['max_cache_len', ['int']], ['num_heads', ['int']],
+       ['v_head_dim', ['int']], ['values', ['tensor', 'float32', 4]]]
   ]
   assert bucket.layout() == [
       'call', [['tensor', 'int64', 2]],
-      [['cache', ['cache', 'StaticCache', [layer, layer]]]]
+      [[
+          'cache',
+          [
+              'object', 'StaticCache',
+              [['layer_class_to_replicate', ['NoneType', None]],
+               ['layers', ['list', [layer, layer]]],
+               ['offloading', ['bool', False]]]
+          ]
+      ]]
   ]
   empty = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
-  assert CallSpec(
-      cache=empty).describe() == ('(cache=StaticCache(2 layers, empty))')
+  assert CallSpec(cache=empty).describe() == '(cache=StaticCache(2 tensors))'
+  # Another length is the same layout; an empty cache is another.
+  assert CallSpec(TensorSpec((2, 1), torch.long),
+                  cache=static_cache(model, 4,
+                                     device)).layout() == (bucket.layout())
+  assert CallSpec(TensorSpec((2, 1), torch.long),
+                  cache=empty).layout() != bucket.layout()
   pool = {}
   _, kwargs = bucket.materialize(device, pool)
   copy = kwargs['cache']

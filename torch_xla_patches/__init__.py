@@ -205,7 +205,8 @@ def serve(model,
       [Note: Serving a module's forward] in serialization.py).
     signatures: the serving buckets: an iterable of CallSpec (positional
       and keyword arguments: TensorSpecs, scalars, strings, None and
-      transformers cache objects, nested in lists, tuples and dicts), or of
+      objects holding tensors (a transformers StaticCache: an example the
+      warm-up copies), nested in lists, tuples and dicts), or of
       tuples of TensorSpec for positional tensors. Other shapes are compiled
       when a call needs them.
     cache_dir: where the artifact (and, unless apply() was given another

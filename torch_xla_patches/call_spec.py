@@ -19,17 +19,18 @@ or dict nesting them (per-layer caches, a dict of inputs). Walking a call's
 A call the walk cannot key (another container type, a tensor passed twice,
 which dynamo guards as an alias) has no key: it takes the full path.
 
-[Note: Cache objects in a call]
-A transformers cache (a subclass of transformers' `Cache`: StaticCache and
-the others) is one argument of the calls generate() makes, the same object
-at every step. A bucket holds an example of it: a cache of the batch and
-length the bucket serves, initialized (`early_initialization`, or after a
-prefill) for a decode bucket. The warm-up calls such a bucket with a deep
-copy of the example, never the example itself, so the example keeps what
-its owner left in it. A bucket's layout names the cache's class and, per
-layer, its class, whether it is initialized and its tensors' dtypes and
-ranks. A call with a cache has no key: the walk does not look into the
-object, so it takes the full path, where dynamo's guards check it.
+[Note: Objects in a call]
+An argument may be an object holding tensors in its attributes (anything
+with a __dict__ that is no tensor, container or constant): a transformers
+StaticCache, which generate() passes to every step. A bucket holds an
+example of it, as the call would pass it (a cache of the batch and length
+the bucket serves, initialized for a decode bucket). The warm-up calls such
+a bucket with a deep copy of the example, never the example itself, so the
+example keeps what its owner left in it. A bucket's layout names the
+object's class and, walking its attributes, each tensor's dtype and rank,
+each int as an int and every other constant by value. A call with such an
+object has no key: the walk does not look into it, so the call takes the
+full path, where dynamo's guards check the object.
 
 Buckets are described the same way, with TensorSpec for tensors: CallSpec
 holds (args, kwargs) of TensorSpec and constants. Its `layout` is what every
@@ -40,8 +41,9 @@ vary), and every other constant by value.
 import copy
 import dataclasses
 import inspect
+import types
 from typing import (Any, Callable, Dict, Hashable, List, Optional, Sequence,
-                    Tuple)
+                    Set, Tuple)
 
 import torch
 
@@ -115,8 +117,8 @@ class CallSpec:
     seen: Dict[Any, int] = {}
 
     def make(leaf: Any) -> Any:
-      if is_cache(leaf):
-        # See [Note: Cache objects in a call].
+      if is_object_argument(leaf):
+        # See [Note: Objects in a call].
         if pool is None:
           return copy.deepcopy(leaf)
         place = (('cache', id(leaf)), seen.get(id(leaf), 0))
@@ -163,22 +165,24 @@ def _sorted(kwargs: Dict[str, Any]) -> Dict[str, Any]:
   return {name: kwargs[name] for name in sorted(kwargs)}
 
 
-def is_cache(value: Any) -> bool:
-  """Whether `value` is a transformers cache object (see [Note: Cache
-  objects in a call]), told without importing transformers."""
-  return any(
-      klass.__name__ == 'Cache' and klass.__module__.startswith('transformers.')
-      for klass in type(value).__mro__)
+def is_object_argument(value: Any) -> bool:
+  """Whether `value` is an object argument (see [Note: Objects in a
+  call])."""
+  return (hasattr(value, '__dict__') and not isinstance(
+      value, (torch.Tensor, TensorSpec, CallSpec, tuple, list, dict, type,
+              types.FunctionType, types.MethodType, types.ModuleType)))
 
 
 def argument_tensors(value: Any) -> List[torch.Tensor]:
-  """The tensors of a call's arguments: in lists, tuples and dicts, and held
-  by the layers of a cache object (see [Note: Cache objects in a call])."""
+  """The tensors of a call's arguments: in lists, tuples and dicts, and in
+  the attributes of objects (see [Note: Objects in a call])."""
   found: List[torch.Tensor] = []
+  seen: Set[int] = set()
 
   def walk(value: Any, depth: int) -> None:
-    if depth > _MAX_DEPTH:
+    if depth > _MAX_DEPTH or id(value) in seen:
       return
+    seen.add(id(value))
     if isinstance(value, torch.Tensor):
       found.append(value)
     elif isinstance(value, (tuple, list)):
@@ -187,32 +191,50 @@ def argument_tensors(value: Any) -> List[torch.Tensor]:
     elif isinstance(value, dict):
       for item in value.values():
         walk(item, depth + 1)
-    elif is_cache(value):
-      for layer in getattr(value, 'layers', ()):
-        for item in vars(layer).values():
-          if isinstance(item, torch.Tensor):
-            found.append(item)
+    elif is_object_argument(value):
+      for item in vars(value).values():
+        walk(item, depth + 1)
 
   walk(value, 0)
   return found
 
 
-def _cache_layout(cache: Any) -> Any:
-  layers = []
-  for layer in getattr(cache, 'layers', ()):
-    tensors = sorted([name, io_utils.dtype_name(value.dtype),
-                      value.dim()]
-                     for name, value in vars(layer).items()
-                     if isinstance(value, torch.Tensor))
-    layers.append([
-        type(layer).__name__,
-        bool(getattr(layer, 'is_initialized', False)), tensors
-    ])
-  return ['cache', type(cache).__name__, layers]
+def _object_layout(value: Any, depth: int = 0) -> Any:
+  """The layout of an object argument's attribute (see [Note: Objects in a
+  call]): what _layout gives, with a tensor's dtype and rank."""
+  if depth > _MAX_DEPTH:
+    return ['deep']
+  if isinstance(value, torch.Tensor):
+    return ['tensor', io_utils.dtype_name(value.dtype), value.dim()]
+  if isinstance(value, (tuple, list)):
+    return [
+        type(value).__name__,
+        [_object_layout(item, depth + 1) for item in value]
+    ]
+  if isinstance(value, dict):
+    return [
+        'dict',
+        [[str(name), _object_layout(item, depth + 1)]
+         for name, item in value.items()]
+    ]
+  if is_object_argument(value):
+    return [
+        'object',
+        type(value).__qualname__,
+        [[name, _object_layout(item, depth + 1)]
+         for name, item in sorted(vars(value).items())]
+    ]
+  if isinstance(value, (torch.device, torch.dtype)):
+    return [type(value).__name__, str(value)]
+  if isinstance(value, _CONSTANT_TYPES):
+    return _layout(value)
+  # Its repr may hold an address, which would change every process's key.
+  return ['opaque', type(value).__qualname__]
 
 
 def _check_spec_tree(value: Any, where: str) -> None:
-  if isinstance(value, (TensorSpec,) + _CONSTANT_TYPES) or is_cache(value):
+  if isinstance(value,
+                (TensorSpec,) + _CONSTANT_TYPES) or is_object_argument(value):
     return
   if isinstance(value, (tuple, list)):
     for index, item in enumerate(value):
@@ -227,8 +249,8 @@ def _check_spec_tree(value: Any, where: str) -> None:
     return
   raise CallStructureError(
       f'{where} is {type(value).__name__}; describe tensors with TensorSpec '
-      'and other arguments as Python scalars, strings, None, transformers '
-      'cache objects, or lists, tuples and dicts of them')
+      'and other arguments as Python scalars, strings, None, objects, or '
+      'lists, tuples and dicts of them')
 
 
 def _map_leaves(value: Any, function: Callable[[Any], Any]) -> Any:
@@ -253,8 +275,8 @@ def _spec_leaves(value: Any, leaves: List[Any]) -> None:
 
 
 def _layout(value: Any) -> Any:
-  if is_cache(value):
-    return _cache_layout(value)
+  if is_object_argument(value):
+    return _object_layout(value)
   if isinstance(value, TensorSpec):
     return ['tensor', io_utils.dtype_name(value.dtype), len(value.shape)]
   if isinstance(value, (tuple, list)):
@@ -269,11 +291,10 @@ def _layout(value: Any) -> Any:
 def _describe(value: Any) -> str:
   if isinstance(value, TensorSpec):
     return value.describe()
-  if is_cache(value):
-    layers = getattr(value, 'layers', ())
-    initialized = all(getattr(l, 'is_initialized', False) for l in layers)
-    return (f'{type(value).__name__}({len(layers)} layers, '
-            f'{"initialized" if initialized else "empty"})')
+  if is_object_argument(value):
+    tensors = argument_tensors(value)
+    return f'{type(value).__name__}({len(tensors)} tensors)'
+
   if isinstance(value, tuple):
     return '(' + ', '.join(_describe(item) for item in value) + ')'
   if isinstance(value, list):
@@ -295,8 +316,8 @@ def describe_layout(layout: Any) -> str:
     return f'{layout[1]}[rank {layout[2]}]'
   if kind == 'int':
     return 'int'
-  if kind == 'cache':
-    return f'{layout[1]}({len(layout[2])} layers)'
+  if kind == 'object':
+    return layout[1]
   if kind in ('tuple', 'list'):
     inner = ', '.join(describe_layout(item) for item in layout[1])
     return f'({inner})' if kind == 'tuple' else f'[{inner}]'

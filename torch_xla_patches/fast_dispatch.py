@@ -210,7 +210,7 @@ class ServedModel:
     self._route: Dict[Hashable, Optional[ServedCalls]] = {}
     # The capture that served the last call without a key, which the next
     # one tries first: generate()'s one-token steps (a cache object among
-    # their arguments has no key, see [Note: Cache objects in a call] in
+    # their arguments has no key, see [Note: Objects in a call] in
     # call_spec.py) are one capture's, and the first capture's guards
     # would otherwise refuse each of them first.
     self._keyless: Optional[ServedCalls] = None
