@@ -899,19 +899,32 @@ def hf_module_table(results: Dict[tuple, Dict[str, Any]],
       'vs eager tokens (two generations) |',
       '|---|---:|---:|---:|---:|---:|---:|---|---:|---|',
   ]
+
+  def cells(r: Dict[str, Any]) -> str:
+    fast = '-' if r['fast_calls'] is None else r['fast_calls']
+    return f'{r["dynamo_frames"]} | {r["loaded"]} | {fast}'
+
+  return lines + _serve_rows(lines, results, lengths, cells)
+
+
+def _serve_rows(table: Sequence[str], results: Dict[tuple, Dict[str, Any]],
+                lengths: Sequence[int], cells: Callable[[Dict[str, Any]],
+                                                        str]) -> List[str]:
+  """The rows of parts 5 to 7 under `table`'s header: each mode and length,
+  its first token, step and host time, peak RSS, `cells(row)` and whether
+  its tokens match eager's."""
+  rows = []
   for mode in HF_MODULE_MODES:
     for length in lengths:
       r = results[(mode, length)]
       if 'error' in r:
-        lines.append(_failed_row(lines, (mode, length), r['error']))
+        rows.append(_failed_row(table, (mode, length), r['error']))
         continue
       check = 'ok' if r['tokens_match'] else 'MISMATCH'
-      fast = '-' if r['fast_calls'] is None else r['fast_calls']
-      lines.append(f'| {mode} | {length} | {_fmt(r["first_token_s"])} | '
-                   f'{_fmt(r["step_ms"])} | {_fmt(r["host_us"], 1)} | '
-                   f'{r["peak_rss_mib"]:.0f} | {r["dynamo_frames"]} | '
-                   f'{r["loaded"]} | {fast} | {check} |')
-  return lines
+      rows.append(f'| {mode} | {length} | {_fmt(r["first_token_s"])} | '
+                  f'{_fmt(r["step_ms"])} | {_fmt(r["host_us"], 1)} | '
+                  f'{r["peak_rss_mib"]:.0f} | {cells(r)} | {check} |')
+  return rows
 
 
 HF_MODULE_MODES = ('upstream', 'patched', 'serve', 'serve-restart')
@@ -1102,19 +1115,12 @@ def hf_generate_table(results: Dict[tuple, Dict[str, Any]],
       'generations) |',
       '|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|',
   ]
-  for mode in HF_MODULE_MODES:
-    for length in lengths:
-      r = results[(mode, length)]
-      if 'error' in r:
-        lines.append(_failed_row(lines, (mode, length), r['error']))
-        continue
-      check = 'ok' if r['tokens_match'] else 'MISMATCH'
-      lines.append(f'| {mode} | {length} | {_fmt(r["first_token_s"])} | '
-                   f'{_fmt(r["step_ms"])} | {_fmt(r["host_us"], 1)} | '
-                   f'{r["peak_rss_mib"]:.0f} | {r["compiles"]} | '
-                   f'{r["dynamo_frames"]} | {r["loaded"]} | '
-                   f'{r["donated"]} / {r["copied"]} | {check} |')
-  return lines
+
+  def cells(r: Dict[str, Any]) -> str:
+    return (f'{r["compiles"]} | {r["dynamo_frames"]} | {r["loaded"]} | '
+            f'{r["donated"]} / {r["copied"]}')
+
+  return lines + _serve_rows(lines, results, lengths, cells)
 
 
 def run_row(kind: str, mode: str, size: float, args) -> Dict[str, Any]:

@@ -616,8 +616,8 @@ class ServedCalls:
       cap = config.max_signatures_per_graph
       while cap > 0 and len(runs) > cap:
         del runs[next(iter(runs))]
-      if learned.plan is not None and learned.path_check is not paths:
-        # One check per plan: the paths read what the plan binds.
+      if learned.plan is not None:
+        # One check per plan: its paths read what the plan binds.
         paths = learned.path_check
       self._learned = _Learned(generation=generation,
                                global_states=global_states,
@@ -672,16 +672,8 @@ class ServedCalls:
 # A learned run: the call's leaves -> the user's result.
 _Run = Callable[[Sequence[Any]], Any]
 
-
-class _NoPaths:
-  """The ModulePathCheck of captured code that reads no module path."""
-
-  @staticmethod
-  def unchanged() -> bool:
-    return True
-
-
-_NO_PATHS = _NoPaths()
+# The check of captured code that reads no module path.
+_NO_PATHS = call_plan.ModulePathCheck((), None)
 
 
 @dataclasses.dataclass
@@ -710,7 +702,7 @@ class _Learned:
   bound_check: 'call_plan.BoundTensorCheck'
   runs: Dict[Hashable, _Run]
   set_back: Tuple[Any, ...] = ()
-  path_check: Any = _NO_PATHS
+  path_check: call_plan.ModulePathCheck = _NO_PATHS
 
 
 _Learned.NOTHING = _Learned(generation=-1,
