@@ -2,7 +2,12 @@
 export PJRT_DEVICE ?= CPU
 export PYTHONUNBUFFERED = 1
 
-PYTHON_BASE ?= python3.11
+# The Python to set up with: any that torch_xla 2.8.x and 2.9.0 ship wheels
+# for (3.10 to 3.13; setup.py's python_requires says the same). 3.11 uses the
+# venvs below; another gets its own, e.g. `make test PYTHON_VERSION=3.12`
+# builds and uses .venv-py3.12 (.venv-2.8.1-py3.12 with TORCH_XLA=2.8.1).
+PYTHON_VERSION ?= 3.11
+PYTHON_BASE ?= python$(PYTHON_VERSION)
 
 # The torch_xla release to set up and test against, with the torch release it
 # was built for (torch_xla_patches/versions.py holds the same pairs). 2.9.0
@@ -25,6 +30,13 @@ ifeq ($(TORCH_XLA),2.9.0)
 VENV := .venv
 else
 VENV := .venv-$(TORCH_XLA)
+endif
+ifneq ($(PYTHON_VERSION),3.11)
+ifeq ($(TORCH_XLA),2.9.0)
+VENV := .venv-py$(PYTHON_VERSION)
+else
+VENV := $(VENV)-py$(PYTHON_VERSION)
+endif
 endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

@@ -12,7 +12,8 @@ setup(
     # the torch installed there (see [Note: Building the native fast path]
     # in native.py); a library built here would fit only this torch.
     package_data={'torch_xla_patches': ['csrc/*.cpp']},
-    python_requires='>=3.11,<3.12',
+    # Every Python torch_xla 2.8.x and 2.9.0 ship wheels for.
+    python_requires='>=3.10,<3.14',
     # The supported (torch, torch_xla) pairs are torch_xla_patches/versions.py's
     # SUPPORTED_PAIRS; `make setup TORCH_XLA=...` installs one exact pair.
     # torch.utils.cpp_extension.load() builds with ninja.
