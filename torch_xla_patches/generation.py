@@ -12,9 +12,10 @@ forward with a cache object of its own (see [Note: Slot cache]).
 [Note: Slot cache]
 The engine holds ONE KV cache for every slot: per layer, keys and values of
 shape (slots, max_cache_len, kv_heads, head_dim), allocated once on the
-device. They are plain attributes of a plain object (`_SlotCache`) held by
-the served module (`_SlotDecoder`), so serve() lifts them to arguments of
-every program, donated and written in place (see "State held outside
+device. They are plain attributes of plain objects (`_SlotCache`, its
+`layers`) held by the served module (`_SlotDecoder`), marked static
+addresses, so serve() lifts them to arguments of every program, donated and
+written in place (see "State held outside
 parameters and buffers" in docs/serving.md): no second cache exists, for
 any bucket. Each call hands the model a fresh `_SlotWrites` made inside the
 captured forward; transformers' attention calls its `update(key_states,
@@ -208,10 +209,13 @@ class _SlotCache:
     # Made on the host and moved: no XLA program runs to fill them.
     zeros = lambda: torch.zeros(size, dtype=dtype).to(device)
     self.layers = [_SlotLayer(zeros(), zeros()) for _ in range(shape.layers)]
-    # Sizes fixed for the engine's life: the capture reads them as constants.
+    # Marked as transformers marks a StaticCache's tensors: dynamo then makes
+    # them attributes of the graph, which serve() lifts to donated arguments
+    # of every call (see [Note: Tensor attributes of a captured graph]) and
+    # the fast path binds through their attribute path.
     for layer in self.layers:
-      torch._dynamo.mark_static(layer.keys)
-      torch._dynamo.mark_static(layer.values)
+      torch._dynamo.mark_static_address(layer.keys)
+      torch._dynamo.mark_static_address(layer.values)
     self.max_cache_len = max_cache_len
     self.dtype = dtype
 
