@@ -313,6 +313,33 @@ def test_a_compile_after_ready_is_counted_and_fails_under_strict(
   assert engine.stats().compiles_after_ready == 3
 
 
+def test_a_step_that_raises_fails_its_requests_alone(engine, monkeypatch):
+  served = engine._served
+  calls = iter(range(100))
+
+  def failing_once(*args, **kwargs):
+    if next(calls) == 0:
+      raise RuntimeError('a device error')
+    return served(*args, **kwargs)
+
+  monkeypatch.setattr(engine, '_served', failing_once)
+  prompt = prompt_of(5, 80)
+  with pytest.raises(RuntimeError, match='a device error'):
+    engine.generate(prompt, max_new_tokens=3)
+  assert engine.generate(prompt, max_new_tokens=3).token_ids == eager(prompt, 3)
+
+
+def test_a_cancelled_request_is_dropped(engine):
+  long = [prompt_of(2, 90 + i) for i in range(SLOTS)]
+  busy = [engine.submit(p, max_new_tokens=24) for p in long]
+  queued = engine.submit(prompt_of(3, 95), max_new_tokens=2)
+  assert queued.cancel()
+  for prompt, future in zip(long, busy):
+    assert future.result().token_ids == eager(prompt, 24)
+  assert engine.generate(prompt_of(3, 95), max_new_tokens=2).token_ids == eager(
+      prompt_of(3, 95), 2)
+
+
 def test_close_fails_what_is_pending(engine):
   futures = [
       engine.submit(prompt_of(2, 60 + i), max_new_tokens=24)

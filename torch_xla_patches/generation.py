@@ -628,12 +628,14 @@ class GenerationEngine:
   def wait_ready(self, timeout: Optional[float] = None) -> bool:
     """Waits until every program is compiled (or one failed), at most
     `timeout` seconds; returns ready()."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     if not self._served.wait_ready(timeout):
       return False
     # The loop takes its counts once the warm-up is over.
     with self._condition:
       self._condition.wait_for(
-          lambda: self._ready_stats is not None or self._closed, timeout)
+          lambda: self._ready_stats is not None or self._closed,
+          None if deadline is None else max(0.0, deadline - time.monotonic()))
     return self.ready()
 
   def stats(self) -> GenerationStats:
@@ -700,7 +702,11 @@ class GenerationEngine:
         if self._queue and free or any(slots):
           admitted = []
           while self._queue and len(admitted) < free:
-            admitted.append(self._queue.popleft())
+            request = self._queue.popleft()
+            # A caller may have cancelled its future while it was queued;
+            # from here on it cannot.
+            if request.future.set_running_or_notify_cancel():
+              admitted.append(request)
           return admitted
         self._condition.wait(self._next_deadline())
 
@@ -711,6 +717,8 @@ class GenerationEngine:
     kept = collections.deque()
     for position, request in enumerate(self._queue):
       deadline = self._deadline(request)
+      if request.future.cancelled():
+        continue
       if position >= free and deadline is not None and now >= deadline:
         request.future.set_exception(
             SlotsBusy(f'all {self.slots} slots stayed busy for the request\'s '
@@ -735,10 +743,18 @@ class GenerationEngine:
     """Runs one prefill or decode step, counting the XLA compiles it
     caused (see [Note: Programs of the engine]); under
     XLA_PATCHES_GENERATION_STRICT the requests of such a step fail with
-    CompiledAfterReady and free their slots."""
+    CompiledAfterReady and free their slots, as do the requests of a step
+    that raised, with its error."""
     requests = list(args) or [s.request for s in slots if s is not None]
     before = _compile_count()
-    run(slots, *args)
+    try:
+      run(slots, *args)
+    except Exception as error:  # pylint: disable=broad-except
+      logger.exception(
+          'torch_xla_patches.generation: a %s step raised; its %d request(s) '
+          'fail with its error', run.__name__.lstrip('_'), len(requests))
+      self._fail_step(slots, requests, error)
+      return
     compiled = _compile_count() - before
     if not compiled:
       return
@@ -753,12 +769,19 @@ class GenerationEngine:
                'engine compiles P + 1 programs before ready and none after')
     logger.warning(message)
     if config.generation_strict:
-      for index, slot in enumerate(slots):
-        if slot is not None and slot.request in requests:
-          slots[index] = None
-      for request in requests:
-        if not request.future.done():
-          request.future.set_exception(CompiledAfterReady(message))
+      self._fail_step(slots, requests, CompiledAfterReady(message))
+
+  @staticmethod
+  def _fail_step(slots: List[Optional[_Slot]], requests: List[_Request],
+                 error: Exception) -> None:
+    """The step's requests not finished fail with `error`; their slots are
+    freed."""
+    for index, slot in enumerate(slots):
+      if slot is not None and slot.request in requests:
+        slots[index] = None
+    for request in requests:
+      if not request.future.done():
+        request.future.set_exception(error)
 
   def _prefill(self, slots: List[Optional[_Slot]], request: _Request) -> None:
     index = slots.index(None)
