@@ -19,8 +19,6 @@ from torch_xla_patches import (CompiledAfterReady, EngineClosed,
 
 transformers = pytest.importorskip('transformers')
 
-pytestmark = pytest.mark.requires('torch_aot_compile')
-
 BUCKETS = (4, 8)
 SLOTS = 2
 CACHE = 32
@@ -378,7 +376,10 @@ print(json.dumps(dict(tokens=tokens, loaded=stats.loaded,
 '''
 
 
+@pytest.mark.requires('torch_aot_compile')
 def test_a_restart_loads_its_captures(tmp_path):
+  # On torch 2.8 (no aot_compile) a restart traces dynamo again; the rest of
+  # the engine works there as here.
   from bridge_testing import run_reports
   here = os.path.dirname(os.path.abspath(__file__))
   code = RESTART_SCRIPT.replace('TEST_DIR',
