@@ -15,21 +15,21 @@ shape (slots, max_cache_len, kv_heads, head_dim), allocated once on the
 device. They are plain attributes of plain objects (`_SlotCache`, its
 `layers`) held by the served module (`_SlotDecoder`), marked static
 addresses, so serve() lifts them to arguments of every program, donated and
-written in place (see "State held outside
-parameters and buffers" in docs/serving.md): no second cache exists, for
-any bucket. Each call hands the model a fresh `_SlotWrites` made inside the
-captured forward; transformers' attention calls its `update(key_states,
-value_states, layer_idx, ...)`, which writes row r of the batch into cache
-row rows[r] at the indices positions[r] (index_put_) and returns the keys
-and values that row attends to: for a prefill the prompt's own (the slot's
-older entries are never read), for a decode step the whole cache. So one
-object serves every model family whose attention calls `update`, with no
-per-model code.
+written in place (see "State held outside parameters and buffers" in
+docs/serving.md): no second cache exists, for any bucket. Each call hands
+the model a fresh `_SlotWrites` made inside the captured forward;
+transformers' attention calls its `update(key_states, value_states,
+layer_idx, ...)`, which writes row r of the batch into cache row rows[r] at
+the indices positions[r] (index_put_) and returns the keys and values that
+row attends to: for a prefill the prompt's own (the slot's older entries
+are never read), for a decode step the whole cache. So one object serves
+every model family whose attention calls `update`, with no per-model code.
 
 [Note: Slot layout and masks]
-A prompt of n tokens in bucket P is left-padded with P - n pad tokens and
-written at cache indices [0, P) of its slot: its real tokens sit at
-[P - n, P) (`first_index` = P - n) and its t-th new token's keys at P + t.
+A prompt of n tokens in bucket P is left-padded with P - n pad tokens (id
+0: any id would do, no real token attends to them) and written at cache
+indices [0, P) of its slot: its real tokens sit at [P - n, P)
+(`first_index` = P - n) and its t-th new token's keys at P + t.
 Positions count real tokens only (cache index - first_index), so RoPE sees
 what it sees without padding, and every mask is built inside the program
 from first_index and the write index, 4-D, which transformers' masking
