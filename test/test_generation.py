@@ -393,3 +393,17 @@ def test_a_restart_loads_its_captures(tmp_path):
     assert report['tokens'] == expected
     assert report['programs'] == len(BUCKETS) + 1
     assert report['after_ready'] == 0
+
+
+def test_close_during_the_warm_up_returns_at_once():
+  # Last: its programs go on compiling in the background until the module's
+  # engine fixture reverts the patch.
+  engine = GenerationEngine(llama(torch_xla.device()),
+                            prompt_buckets=(6,),
+                            slots=1,
+                            max_cache_len=CACHE)
+  future = engine.submit([1, 2, 3], max_new_tokens=2)
+  engine.close()
+  assert not engine.ready()
+  with pytest.raises(EngineClosed):
+    future.result()

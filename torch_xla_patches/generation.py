@@ -407,6 +407,10 @@ class _Slot:
   write_index: int
 
 
+# How often the loop looks at close() while the programs compile.
+_POLL_SECONDS = 0.1
+
+
 def _compile_count() -> int:
   """XLA compiles of this process so far (torch_xla's CompileTime)."""
   import torch_xla.debug.metrics as met
@@ -670,24 +674,37 @@ class GenerationEngine:
   def _run(self) -> None:
     slots: List[Optional[_Slot]] = [None] * self.slots
     try:
-      self._served.wait_ready()
-      with self._condition:
-        self._ready_stats = (_dynamo_frames(), _compile_count())
-        self._ready_at = time.monotonic()
-        self._condition.notify_all()
-      while True:
-        admitted = self._next_requests(slots)
-        if admitted is None:
-          break
-        for request in admitted:
-          self._step(self._prefill, slots, request)
-        if any(slots):
-          self._step(self._decode, slots)
+      if self._wait_for_programs():
+        while True:
+          admitted = self._next_requests(slots)
+          if admitted is None:
+            break
+          for request in admitted:
+            self._step(self._prefill, slots, request)
+          if any(slots):
+            self._step(self._decode, slots)
     except BaseException as error:  # pylint: disable=broad-except
       logger.exception('torch_xla_patches.generation: the engine loop stopped')
       self._fail_all(slots, EngineClosed(f'the engine loop stopped: {error!r}'))
       return
     self._fail_all(slots, EngineClosed('the GenerationEngine was closed'))
+
+  def _wait_for_programs(self) -> bool:
+    """Waits until the warm-up is over (every program compiled, or failed:
+    steps then compile what they need, counted after ready) and takes the
+    counts of stats(); False if closed first."""
+    # Polled, so that close() during the warm-up returns at once.
+    while not self._served.readiness().done:
+      with self._condition:
+        if self._closed:
+          return False
+      self._served.wait_ready(_POLL_SECONDS)
+    self._served.wait_ready()  # the artifact's write, after the compiles
+    with self._condition:
+      self._ready_stats = (_dynamo_frames(), _compile_count())
+      self._ready_at = time.monotonic()
+      self._condition.notify_all()
+    return True
 
   def _next_requests(self,
                      slots: List[Optional[_Slot]]) -> Optional[List[_Request]]:
