@@ -21,6 +21,11 @@ from torch_xla_patches import torch_internals
 from torch_xla_patches import versions
 from torch_xla_patches.call_spec import CallSpec
 from torch_xla_patches.io_utils import Sharding, TensorSpec
+from torch_xla_patches.generation import (CompiledAfterReady, EngineClosed,
+                                          GenerationEngine,
+                                          GenerationRequestError,
+                                          GenerationResult, GenerationStats,
+                                          SlotsBusy)
 
 # See [Note: Supported releases] in versions.py.
 SUPPORTED_TORCH_XLA_VERSIONS = versions.SUPPORTED_TORCH_XLA_VERSIONS

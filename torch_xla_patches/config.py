@@ -375,3 +375,13 @@ XLA_ENV_NOT_IN_PROGRAM: Tuple[str, ...] = (
     'XLA_SAVE_TENSORS_FILE',
     'XLA_SAVE_TENSORS_FMT',
 )
+
+# A GenerationEngine step after ready that compiles an XLA program raises
+# CompiledAfterReady instead of logging a warning (see [Note: Programs of the
+# engine] in generation.py), as vLLM's VLLM_XLA_CHECK_RECOMPILATION does: for
+# tests, where a compile after warm-up is a bug.
+generation_strict = _flag('generation_strict',
+                          'XLA_PATCHES_GENERATION_STRICT',
+                          False,
+                          BOOL,
+                          changes_program=False)

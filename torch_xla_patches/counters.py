@@ -49,4 +49,8 @@ COUNTER_DONATION_READERS_SYNCED = 'DynamoDonationReadersSynced'
 # Inputs with pending IR synced before a run (upstream's name).
 COUNTER_SYNCED_INPUTS = 'DynamoSyncInputExecuteTime'
 
+# A GenerationEngine step after ready that compiled an XLA program (counted per
+# compile; see [Note: Programs of the engine] in generation.py).
+COUNTER_GENERATION_COMPILED_AFTER_READY = 'GenerationCompiledAfterReady'
+
 increment_counter = torch_xla._XLAC._xla_increment_counter

@@ -1,0 +1,777 @@
+"""A generation engine over serve(): prompts padded to buckets, requests
+decoded together in the slots of one KV cache, P + 1 programs.
+
+  engine = GenerationEngine(model, prompt_buckets=(8, 16, 32), slots=4,
+                            max_cache_len=128, cache_dir='/var/cache/xla')
+  engine.generate([5, 17, 3], max_new_tokens=16).token_ids
+
+`model` is a transformers causal LM on the XLA device. transformers itself
+is never imported here: the engine reads the model's config and calls its
+forward with a cache object of its own (see [Note: Slot cache]).
+
+[Note: Slot cache]
+The engine holds ONE KV cache for every slot: per layer, keys and values of
+shape (slots, max_cache_len, kv_heads, head_dim), allocated once on the
+device. They are plain attributes of plain objects (`_SlotCache`, its
+`layers`) held by the served module (`_SlotDecoder`), marked static
+addresses, so serve() lifts them to arguments of every program, donated and
+written in place (see "State held outside
+parameters and buffers" in docs/serving.md): no second cache exists, for
+any bucket. Each call hands the model a fresh `_SlotWrites` made inside the
+captured forward; transformers' attention calls its `update(key_states,
+value_states, layer_idx, ...)`, which writes row r of the batch into cache
+row rows[r] at the indices positions[r] (index_put_) and returns the keys
+and values that row attends to: for a prefill the prompt's own (the slot's
+older entries are never read), for a decode step the whole cache. So one
+object serves every model family whose attention calls `update`, with no
+per-model code.
+
+[Note: Slot layout and masks]
+A prompt of n tokens in bucket P is left-padded with P - n pad tokens and
+written at cache indices [0, P) of its slot: its real tokens sit at
+[P - n, P) (`first_index` = P - n) and its t-th new token's keys at P + t.
+Positions count real tokens only (cache index - first_index), so RoPE sees
+what it sees without padding, and every mask is built inside the program
+from first_index and the write index, 4-D, which transformers' masking
+returns as it is:
+  * prefill, query i, key j: (first <= j <= i) or j == i;
+  * decode, slot b, key j: first[b] <= j <= write[b].
+Every mask row lets through at least one key (a pad query its own key; an
+idle slot, first = write = 0, its index 0) and every written key or value
+comes from finite inputs, so every softmax is finite and the cache stays
+NaN-free: a masked stale entry of an earlier request in a reused slot has
+weight exactly 0 and a finite value, and cannot reach another request.
+
+[Note: Programs of the engine]
+serve() is handed P + 1 buckets: one prefill per prompt bucket (batch 1,
+the slot an argument, so one program serves every slot) and one decode step
+for all slots (idle slots are computed and ignored). The warm-up compiles
+them; the engine loop, the only thread that runs them, serves only after
+it, and counts an XLA compile during any step after ready
+(stats().compiles_after_ready), with a warning, or raises
+CompiledAfterReady under XLA_PATCHES_GENERATION_STRICT=1.
+
+[Note: The engine loop]
+One daemon thread owns all device work. submit() validates a request on the
+caller's thread, puts it in the queue under `_condition` and returns its
+Future. The loop, once the programs are ready: fails queued requests past
+their slot timeout (SlotsBusy), admits queued requests into free slots (one
+prefill each, first token delivered at once), runs one decode step for all
+busy slots, delivers each slot's token and frees the slots whose request
+ended. `_condition` guards the queue, `_closed` and the counts of stats();
+slots are the loop's alone.
+"""
+import collections
+import concurrent.futures
+import dataclasses
+import inspect
+import logging
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from torch_xla_patches import config
+from torch_xla_patches.call_spec import CallSpec
+from torch_xla_patches.io_utils import TensorSpec
+
+logger = logging.getLogger('torch_xla_patches.generation')
+
+FINISH_LENGTH = 'length'
+FINISH_EOS = 'eos'
+FINISH_STOP = 'stop'
+
+
+class GenerationRequestError(ValueError):
+  """A request the engine cannot serve; the message names the bound."""
+
+
+class SlotsBusy(TimeoutError):
+  """Every slot stayed busy past the request's timeout."""
+
+
+class EngineClosed(RuntimeError):
+  """The engine was closed before the request finished."""
+
+
+class CompiledAfterReady(RuntimeError):
+  """An XLA compile happened in an engine step after ready, under
+  XLA_PATCHES_GENERATION_STRICT=1."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+  # The generated tokens only, not the prompt.
+  token_ids: Tuple[int, ...]
+  # 'length' (max_new_tokens), 'eos' or 'stop' (the last token ended it).
+  finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStats:
+  # XLA compiles from the engine's start until ready (P + 1 expected).
+  programs_compiled: int
+  # XLA compiles during engine steps after ready (0 expected).
+  compiles_after_ready: int
+  # Programs of each kind the engine serves.
+  prefill_programs: int
+  decode_programs: int
+  # Requests finished with a result.
+  requests_done: int
+  # dynamo frames compiled from the engine's start until ready (0 when the
+  # captures came from the artifact).
+  dynamo_frames: int
+  # Whether the captures came from the artifact in cache_dir.
+  loaded: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedPrompt:
+  # The prompt left-padded to its bucket.
+  token_ids: Tuple[int, ...]
+  # Real tokens in it (the last `length` of token_ids).
+  length: int
+
+  @property
+  def first_index(self) -> int:
+    """Cache index of the first real token (see [Note: Slot layout and
+    masks])."""
+    return len(self.token_ids) - self.length
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> Optional[int]:
+  """The smallest bucket >= length, None if there is none."""
+  return next((b for b in buckets if b >= length), None)
+
+
+def pad_prompt(prompt_ids: Sequence[int], buckets: Sequence[int],
+               pad_id: int) -> PaddedPrompt:
+  """`prompt_ids` left-padded with `pad_id` to the smallest bucket that
+  holds it; the caller checked that one does."""
+  bucket = bucket_for(len(prompt_ids), buckets)
+  padding = (pad_id,) * (bucket - len(prompt_ids))
+  return PaddedPrompt(padding + tuple(prompt_ids), len(prompt_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+  """The KV cache's sizes, read from the model's config.
+
+  Args:
+    layers: attention layers (one keys and one values tensor each).
+    kv_heads: key/value heads per layer.
+    head_dim: size of one head.
+    vocab_size: the vocabulary, for the check of token ids.
+  """
+  layers: int
+  kv_heads: int
+  head_dim: int
+  vocab_size: int
+
+  @staticmethod
+  def of(model: torch.nn.Module) -> 'CacheShape':
+    model_config = getattr(model, 'config', None)
+    if model_config is None:
+      raise TypeError('GenerationEngine: model has no `config`; give a '
+                      f'transformers causal LM, got {type(model).__name__}')
+    if hasattr(model_config, 'get_text_config'):
+      model_config = model_config.get_text_config()
+    layer_types = getattr(model_config, 'layer_types', None) or ()
+    other = sorted(set(layer_types) - {'full_attention'})
+    if other:
+      raise ValueError('GenerationEngine: the engine serves full attention '
+                       f'layers only; this model has {other} layers')
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, 'num_key_value_heads', None) or heads
+    head_dim = (getattr(model_config, 'head_dim', None) or
+                model_config.hidden_size // heads)
+    return CacheShape(layers=model_config.num_hidden_layers,
+                      kv_heads=kv_heads,
+                      head_dim=head_dim,
+                      vocab_size=model_config.vocab_size)
+
+
+class _SlotLayer:
+  """One layer's keys and values for every slot."""
+
+  def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    self.keys = keys
+    self.values = values
+
+
+class _SlotCache:
+  """Every slot's keys and values, per layer (see [Note: Slot cache])."""
+
+  def __init__(self, shape: CacheShape, slots: int, max_cache_len: int,
+               dtype: torch.dtype, device: Any):
+    size = (slots, max_cache_len, shape.kv_heads, shape.head_dim)
+    # Made on the host and moved: no XLA program runs to fill them.
+    zeros = lambda: torch.zeros(size, dtype=dtype).to(device)
+    self.layers = [_SlotLayer(zeros(), zeros()) for _ in range(shape.layers)]
+    # Marked as transformers marks a StaticCache's tensors: dynamo then makes
+    # them attributes of the graph, which serve() lifts to donated arguments
+    # of every call (see [Note: Tensor attributes of a captured graph]) and
+    # the fast path binds through their attribute path.
+    for layer in self.layers:
+      torch._dynamo.mark_static_address(layer.keys)
+      torch._dynamo.mark_static_address(layer.values)
+    self.max_cache_len = max_cache_len
+    self.dtype = dtype
+
+
+class _SlotWrites:
+  """What one call's attention layers see as their cache: `update` writes
+  batch row r into cache row rows[r] at indices positions[r] and returns
+  what the row attends to (see [Note: Slot cache]).
+
+  Args:
+    cache: the engine's _SlotCache.
+    rows: (batch,) cache rows the batch writes.
+    positions: (batch, q_len) cache indices of each row's tokens.
+    whole_cache: return every cache index (a decode step), or the call's
+      own keys and values only (a prefill).
+  """
+  is_compileable = True
+
+  def __init__(self, cache: _SlotCache, rows: torch.Tensor,
+               positions: torch.Tensor, whole_cache: bool):
+    self.cache = cache
+    self.rows = rows
+    self.positions = positions
+    self.whole_cache = whole_cache
+
+  def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+             layer_idx: int, *args, **kwargs):
+    del args, kwargs  # what a transformers release adds: nothing we need
+    layer = self.cache.layers[layer_idx]
+    keys, values = layer.keys, layer.values
+    index = (self.rows[:, None], self.positions)
+    # (batch, heads, q_len, dim) -> (batch, q_len, heads, dim), the cache's.
+    keys.index_put_(index, key_states.transpose(1, 2).to(keys.dtype))
+    values.index_put_(index, value_states.transpose(1, 2).to(values.dtype))
+    if not self.whole_cache:
+      return key_states, value_states
+    return (keys.transpose(1, 2).to(key_states.dtype),
+            values.transpose(1, 2).to(value_states.dtype))
+
+
+class _SlotDecoder(torch.nn.Module):
+  """The served module: a causal LM and the slot cache it writes.
+
+  prefill: forward(input_ids (1, P), first_index (1,), slot=(1,))
+  decode:  forward(input_ids (slots, 1), first_index (slots,),
+                   write_index=(slots,))
+  Each returns (next token ids (batch,), last logits (batch, vocab)).
+  """
+
+  def __init__(self, model: torch.nn.Module, cache: _SlotCache,
+               additive_mask: bool, cache_keyword: str):
+    super().__init__()
+    self.model = model
+    self.cache = cache
+    self.additive_mask = additive_mask
+    self.cache_keyword = cache_keyword
+
+  def forward(self,
+              input_ids: torch.Tensor,
+              first_index: torch.Tensor,
+              write_index: Optional[torch.Tensor] = None,
+              slot: Optional[torch.Tensor] = None):
+    device = input_ids.device
+    if slot is not None:
+      # A prompt, written at [0, P) of its slot.
+      length = input_ids.shape[1]
+      keys = torch.arange(length, device=device)
+      position_ids = (keys - first_index[:, None]).clamp(min=0)
+      query = keys[:, None]
+      allowed = ((keys[None, :] <= query) &
+                 (keys[None, :] >= first_index[:, None, None])) | (keys[None, :]
+                                                                   == query)
+      mask = allowed[:, None]
+      writes = _SlotWrites(self.cache, slot, keys[None, :].expand(1, length),
+                           False)
+    else:
+      # One token per slot, at each slot's own write index.
+      keys = torch.arange(self.cache.max_cache_len, device=device)
+      position_ids = (write_index - first_index)[:, None]
+      allowed = ((keys[None, :] >= first_index[:, None]) &
+                 (keys[None, :] <= write_index[:, None]))
+      mask = allowed[:, None, None, :]
+      rows = torch.arange(input_ids.shape[0], device=device)
+      writes = _SlotWrites(self.cache, rows, write_index[:, None], True)
+    if self.additive_mask:
+      dtype = self.cache.dtype
+      mask = torch.zeros(mask.shape, dtype=dtype,
+                         device=device).masked_fill(~mask,
+                                                    torch.finfo(dtype).min)
+    out = self.model(input_ids=input_ids,
+                     attention_mask=mask,
+                     position_ids=position_ids,
+                     use_cache=True,
+                     **{self.cache_keyword: writes})
+    logits = out.logits[:, -1]
+    return logits.argmax(-1), logits
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """A request's decoding options, checked by submit()."""
+  max_new_tokens: int
+  eos_token_ids: Tuple[int, ...]
+  stop_token_ids: Tuple[int, ...]
+  do_sample: bool
+  temperature: float
+  top_k: Optional[int]
+
+
+class _Request:
+  """A request from submit() to its result; the loop's once queued."""
+
+  def __init__(self, prompt: PaddedPrompt, options: _Options,
+               generator: Optional[torch.Generator], timeout: Optional[float],
+               submitted: float):
+    self.prompt = prompt
+    self.options = options
+    self.generator = generator
+    self.timeout = timeout
+    self.submitted = submitted
+    self.future: 'concurrent.futures.Future[GenerationResult]' = (
+        concurrent.futures.Future())
+    self.tokens: List[int] = []
+
+  def finish_reason(self) -> Optional[str]:
+    """Why the request ends after its last token, None if it goes on."""
+    last = self.tokens[-1]
+    if last in self.options.eos_token_ids:
+      return FINISH_EOS
+    if last in self.options.stop_token_ids:
+      return FINISH_STOP
+    if len(self.tokens) >= self.options.max_new_tokens:
+      return FINISH_LENGTH
+    return None
+
+
+@dataclasses.dataclass
+class _Slot:
+  """A busy slot: its request and where its next token goes."""
+  request: _Request
+  first_index: int
+  write_index: int
+
+
+def _compile_count() -> int:
+  """XLA compiles of this process so far (torch_xla's CompileTime)."""
+  import torch_xla.debug.metrics as met
+  data = met.metric_data('CompileTime')
+  return int(data[0]) if data else 0
+
+
+def _dynamo_frames() -> int:
+  from torch._dynamo.utils import counters as dynamo_counters
+  return int(dynamo_counters['stats']['unique_graphs'])
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+  """The forward's name for the cache: `cache` (transformers 5.2x) or
+  `past_key_values` (earlier releases)."""
+  parameters = inspect.signature(model.forward).parameters
+  for name in ('cache', 'past_key_values'):
+    if name in parameters:
+      return name
+  raise TypeError(f'GenerationEngine: {type(model).__name__}.forward takes '
+                  'neither `cache` nor `past_key_values`; give a transformers '
+                  'causal LM')
+
+
+class GenerationEngine:
+  """Generates tokens for requests from any thread, decoding up to `slots`
+  requests together (see [Note: The engine loop]).
+
+  Args:
+    model: a transformers causal LM on the XLA device, in eval mode.
+    prompt_buckets: prompt lengths; a prompt is left-padded to the smallest
+      bucket that holds it.
+    slots: sequences decoded together in one step.
+    max_cache_len: cache indices per slot: a request's padded prompt plus
+      its max_new_tokens must fit.
+    dtype: the cache's dtype; default the model's.
+    cache_dir: where serve() keeps its artifact across restarts.
+    wait: return only once every program is compiled.
+  """
+
+  def __init__(self,
+               model: torch.nn.Module,
+               *,
+               prompt_buckets: Sequence[int],
+               slots: int,
+               max_cache_len: int,
+               dtype: Optional[torch.dtype] = None,
+               cache_dir: Optional[str] = None,
+               wait: bool = False):
+    import torch_xla
+    buckets = tuple(prompt_buckets)
+    if (not buckets or any(not isinstance(b, int) or b < 1 for b in buckets) or
+        list(buckets) != sorted(set(buckets))):
+      raise ValueError('GenerationEngine: prompt_buckets must be increasing '
+                       f'lengths >= 1, got {prompt_buckets!r}')
+    if not isinstance(slots, int) or slots < 1:
+      raise ValueError(f'GenerationEngine: slots must be >= 1, got {slots!r}')
+    if not isinstance(max_cache_len, int) or max_cache_len <= buckets[-1]:
+      raise ValueError('GenerationEngine: max_cache_len must be larger than '
+                       f'the largest prompt bucket ({buckets[-1]}), got '
+                       f'{max_cache_len!r}')
+    self.shape = CacheShape.of(model)
+    self.prompt_buckets = buckets
+    self.slots = slots
+    self.max_cache_len = max_cache_len
+    parameter = next(model.parameters())
+    if parameter.device.type != 'xla':
+      raise ValueError(f'GenerationEngine: the model is on {parameter.device}; '
+                       'move it to torch_xla.device() first')
+    attention = getattr(model.config, '_attn_implementation', None) or 'sdpa'
+    if attention not in ('sdpa', 'eager'):
+      raise ValueError("GenerationEngine: attention implementation "
+                       f"{attention!r}; the engine's 4-D masks need 'sdpa' or "
+                       "'eager'")
+    self._frames_at_start = _dynamo_frames()
+    self._compiles_at_start = _compile_count()
+    device = torch_xla.device()
+    self._device = device
+    cache = _SlotCache(self.shape, slots, max_cache_len, dtype or
+                       parameter.dtype, device)
+    self._decoder = _SlotDecoder(model, cache, attention == 'eager',
+                                 _cache_keyword(model))
+    import torch_xla_patches
+    self._served = torch_xla_patches.serve(self._decoder,
+                                           self._buckets(),
+                                           cache_dir=cache_dir,
+                                           wait=wait)
+    self._condition = threading.Condition()
+    self._queue: 'collections.deque[_Request]' = collections.deque()
+    self._closed = False
+    self._requests_done = 0
+    self._compiles_after_ready = 0
+    # Set by the loop once the warm-up is over.
+    self._ready_stats: Optional[Tuple[int, int]] = None
+    self._ready_at: Optional[float] = None
+    self._thread = threading.Thread(target=self._run,
+                                    name='xla-generation-engine',
+                                    daemon=True)
+    self._thread.start()
+    if wait:
+      self.wait_ready()
+
+  def _buckets(self) -> List[CallSpec]:
+    """The P prefill calls and the decode call (see [Note: Programs of the
+    engine])."""
+    index = lambda n: TensorSpec((n,), torch.long)
+    prefills = [
+        CallSpec(TensorSpec((1, p), torch.long), index(1), slot=index(1))
+        for p in self.prompt_buckets
+    ]
+    decode = CallSpec(TensorSpec((self.slots, 1), torch.long),
+                      index(self.slots),
+                      write_index=index(self.slots))
+    return prefills + [decode]
+
+  # Requests.
+
+  def submit(
+      self,
+      prompt_ids: Sequence[int],
+      *,
+      max_new_tokens: int,
+      eos_token_id: Any = None,
+      stop_token_ids: Sequence[int] = (),
+      do_sample: bool = False,
+      temperature: float = 1.0,
+      top_k: Optional[int] = None,
+      seed: Optional[int] = None,
+      timeout: Optional[float] = None
+  ) -> 'concurrent.futures.Future[GenerationResult]':
+    """Queues a request; its Future gives a GenerationResult. Raises
+    GenerationRequestError at once for a request the engine cannot serve.
+    `timeout`: seconds the request may wait for a free slot (SlotsBusy)."""
+    prompt = self._check_prompt(prompt_ids)
+    padded = pad_prompt(prompt, self.prompt_buckets, 0)
+    if (not isinstance(max_new_tokens, int) or
+        isinstance(max_new_tokens, bool) or max_new_tokens < 1):
+      raise GenerationRequestError(
+          f'max_new_tokens must be an integer >= 1, got {max_new_tokens!r}')
+    needed = len(padded.token_ids) + max_new_tokens
+    if needed > self.max_cache_len:
+      raise GenerationRequestError(
+          f'the prompt padded to {len(padded.token_ids)} plus max_new_tokens '
+          f'{max_new_tokens} is {needed}, over max_cache_len '
+          f'{self.max_cache_len}')
+    options = _Options(max_new_tokens=max_new_tokens,
+                       eos_token_ids=self._token_set('eos_token_id',
+                                                     eos_token_id),
+                       stop_token_ids=self._token_set('stop_token_ids',
+                                                      stop_token_ids),
+                       do_sample=bool(do_sample),
+                       temperature=float(temperature),
+                       top_k=top_k)
+    if do_sample and not options.temperature > 0:
+      raise GenerationRequestError(
+          f'temperature must be > 0 to sample, got {temperature!r}')
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+      raise GenerationRequestError(f'top_k must be >= 1, got {top_k!r}')
+    if timeout is not None and not timeout >= 0:
+      raise GenerationRequestError(f'timeout must be >= 0, got {timeout!r}')
+    generator = None
+    if do_sample:
+      generator = torch.Generator()
+      if seed is None:
+        generator.seed()
+      else:
+        generator.manual_seed(seed)
+    request = _Request(padded, options, generator, timeout, time.monotonic())
+    with self._condition:
+      if self._closed:
+        raise EngineClosed('the GenerationEngine is closed')
+      self._queue.append(request)
+      self._condition.notify_all()
+    return request.future
+
+  def generate(self, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
+    """submit(prompt_ids, **kwargs).result()."""
+    return self.submit(prompt_ids, **kwargs).result()
+
+  def _check_prompt(self, prompt_ids: Sequence[int]) -> Tuple[int, ...]:
+    if isinstance(prompt_ids, torch.Tensor):
+      if prompt_ids.dim() > 1:
+        raise GenerationRequestError(
+            'prompt_ids must be one sequence of token ids, got a tensor of '
+            f'shape {tuple(prompt_ids.shape)}')
+      prompt_ids = prompt_ids.tolist()
+    prompt = tuple(prompt_ids)
+    if not prompt:
+      raise GenerationRequestError('the prompt is empty; give at least one '
+                                   'token id')
+    largest = self.prompt_buckets[-1]
+    if len(prompt) > largest:
+      raise GenerationRequestError(
+          f'the prompt has {len(prompt)} tokens, over the largest prompt '
+          f'bucket {largest}')
+    vocab = self.shape.vocab_size
+    for token in prompt:
+      if (not isinstance(token, int) or isinstance(token, bool) or
+          not 0 <= token < vocab):
+        raise GenerationRequestError(
+            f'token id {token!r} of the prompt is outside the vocabulary '
+            f'[0, {vocab})')
+    return prompt
+
+  @staticmethod
+  def _token_set(name: str, tokens: Any) -> Tuple[int, ...]:
+    if tokens is None:
+      return ()
+    if isinstance(tokens, int) and not isinstance(tokens, bool):
+      return (tokens,)
+    tokens = tuple(tokens)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+      raise GenerationRequestError(
+          f'{name} must be token ids (ints), got {tokens!r}')
+    return tokens
+
+  # State.
+
+  def ready(self) -> bool:
+    """Whether every prefill bucket and the decode step are compiled;
+    answers at once, starts no work."""
+    readiness = self._served.readiness()
+    return readiness.ready == readiness.total
+
+  def wait_ready(self, timeout: Optional[float] = None) -> bool:
+    """Waits until every program is compiled (or one failed), at most
+    `timeout` seconds; returns ready()."""
+    if not self._served.wait_ready(timeout):
+      return False
+    # The loop takes its counts once the warm-up is over.
+    with self._condition:
+      self._condition.wait_for(
+          lambda: self._ready_stats is not None or self._closed, timeout)
+    return self.ready()
+
+  def stats(self) -> GenerationStats:
+    with self._condition:
+      frames, compiles = self._ready_stats or (_dynamo_frames(),
+                                               _compile_count())
+      return GenerationStats(programs_compiled=compiles -
+                             self._compiles_at_start,
+                             compiles_after_ready=self._compiles_after_ready,
+                             prefill_programs=len(self.prompt_buckets),
+                             decode_programs=1,
+                             requests_done=self._requests_done,
+                             dynamo_frames=frames - self._frames_at_start,
+                             loaded=bool(self._served.loaded))
+
+  def close(self) -> None:
+    """Stops the loop; requests not finished fail with EngineClosed."""
+    with self._condition:
+      self._closed = True
+      self._condition.notify_all()
+    if threading.current_thread() is not self._thread:
+      self._thread.join()
+
+  def __enter__(self) -> 'GenerationEngine':
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  # The loop (see [Note: The engine loop]).
+
+  def _run(self) -> None:
+    slots: List[Optional[_Slot]] = [None] * self.slots
+    try:
+      self._served.wait_ready()
+      with self._condition:
+        self._ready_stats = (_dynamo_frames(), _compile_count())
+        self._ready_at = time.monotonic()
+        self._condition.notify_all()
+      while True:
+        admitted = self._next_requests(slots)
+        if admitted is None:
+          break
+        for request in admitted:
+          self._step(self._prefill, slots, request)
+        if any(slots):
+          self._step(self._decode, slots)
+    except BaseException as error:  # pylint: disable=broad-except
+      logger.exception('torch_xla_patches.generation: the engine loop stopped')
+      self._fail_all(slots, EngineClosed(f'the engine loop stopped: {error!r}'))
+      return
+    self._fail_all(slots, EngineClosed('the GenerationEngine was closed'))
+
+  def _next_requests(self,
+                     slots: List[Optional[_Slot]]) -> Optional[List[_Request]]:
+    """The queued requests to admit now, one per free slot; waits while
+    there is nothing to do; None once closed."""
+    with self._condition:
+      while True:
+        if self._closed:
+          return None
+        self._expire_waiting(sum(s is None for s in slots))
+        free = sum(s is None for s in slots)
+        if self._queue and free or any(slots):
+          admitted = []
+          while self._queue and len(admitted) < free:
+            admitted.append(self._queue.popleft())
+          return admitted
+        self._condition.wait(self._next_deadline())
+
+  def _expire_waiting(self, free: int) -> None:
+    """Fails the queued requests past their timeout that no free slot
+    takes now (SlotsBusy)."""
+    now = time.monotonic()
+    kept = collections.deque()
+    for position, request in enumerate(self._queue):
+      deadline = self._deadline(request)
+      if position >= free and deadline is not None and now >= deadline:
+        request.future.set_exception(
+            SlotsBusy(f'all {self.slots} slots stayed busy for the request\'s '
+                      f'timeout of {request.timeout} s'))
+      else:
+        kept.append(request)
+    self._queue = kept
+
+  def _deadline(self, request: _Request) -> Optional[float]:
+    if request.timeout is None:
+      return None
+    # Waiting for the programs to compile is not waiting for a slot.
+    return max(request.submitted, self._ready_at) + request.timeout
+
+  def _next_deadline(self) -> Optional[float]:
+    deadlines = [d for d in map(self._deadline, self._queue) if d is not None]
+    if not deadlines:
+      return None
+    return max(0.0, min(deadlines) - time.monotonic())
+
+  def _step(self, run, slots: List[Optional[_Slot]], *args) -> None:
+    """Runs one prefill or decode step, counting the XLA compiles it
+    caused (see [Note: Programs of the engine])."""
+    before = _compile_count()
+    run(slots, *args)
+    compiled = _compile_count() - before
+    if compiled:
+      with self._condition:
+        self._compiles_after_ready += compiled
+      # Imports torch_xla: not at the package's import.
+      from torch_xla_patches import counters
+      counters.increment_counter(
+          counters.COUNTER_GENERATION_COMPILED_AFTER_READY, compiled)
+      message = (f'torch_xla_patches.generation: {compiled} XLA compile(s) '
+                 f'after ready, in a {run.__name__.lstrip("_")} step; the '
+                 'engine compiles P + 1 programs before ready and none after')
+      if config.generation_strict:
+        raise CompiledAfterReady(message)
+      logger.warning(message)
+
+  def _prefill(self, slots: List[Optional[_Slot]], request: _Request) -> None:
+    index = slots.index(None)
+    prompt = request.prompt
+    to_device = lambda values: torch.tensor(values).to(self._device)
+    ids, logits = self._served(to_device([prompt.token_ids]),
+                               to_device([prompt.first_index]),
+                               slot=to_device([index]))
+    slots[index] = _Slot(request, prompt.first_index, len(prompt.token_ids))
+    self._deliver(slots, {index: 0}, ids, logits)
+
+  def _decode(self, slots: List[Optional[_Slot]]) -> None:
+    busy = [i for i, s in enumerate(slots) if s is not None]
+    tokens = [s.request.tokens[-1] if s else 0 for s in slots]
+    first = [s.first_index if s else 0 for s in slots]
+    write = [s.write_index if s else 0 for s in slots]
+    to_device = lambda values: torch.tensor(values).to(self._device)
+    ids, logits = self._served(to_device([[t] for t in tokens]),
+                               to_device(first),
+                               write_index=to_device(write))
+    for i in busy:
+      slots[i].write_index += 1
+    self._deliver(slots, {i: i for i in busy}, ids, logits)
+
+  def _deliver(self, slots: List[Optional[_Slot]], rows: Dict[int, int],
+               ids: torch.Tensor, logits: torch.Tensor) -> None:
+    """Each busy slot's next token (greedy, or sampled from its logits),
+    and the slots of requests that ended freed. `rows`: slot -> its row of
+    the step's batch (a prefill's batch is its one slot)."""
+    greedy = ids.cpu().tolist()
+    host_logits = None
+    for index, row in rows.items():
+      request = slots[index].request
+      if request.options.do_sample:
+        if host_logits is None:
+          host_logits = logits.cpu().float()
+        token = self._sample(host_logits[row], request)
+      else:
+        token = greedy[row]
+      request.tokens.append(token)
+      reason = request.finish_reason()
+      if reason is not None:
+        slots[index] = None
+        with self._condition:
+          self._requests_done += 1
+        request.future.set_result(
+            GenerationResult(tuple(request.tokens), reason))
+
+  @staticmethod
+  def _sample(logits: torch.Tensor, request: _Request) -> int:
+    options = request.options
+    logits = logits / options.temperature
+    if options.top_k is not None and options.top_k < logits.numel():
+      kth = torch.topk(logits, options.top_k).values[-1]
+      logits = logits.masked_fill(logits < kth, float('-inf'))
+    probabilities = torch.softmax(logits, -1)
+    return int(torch.multinomial(probabilities, 1, generator=request.generator))
+
+  def _fail_all(self, slots: List[Optional[_Slot]], error: Exception) -> None:
+    with self._condition:
+      self._closed = True
+      waiting = list(self._queue)
+      self._queue.clear()
+    for request in waiting + [s.request for s in slots if s is not None]:
+      if not request.future.done():
+        request.future.set_exception(error)
