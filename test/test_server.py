@@ -73,7 +73,8 @@ def post(port: int, body: Any) -> Tuple[int, Dict]:
 class FakeEngine:
   """ENGINE_API.md's GenerationEngine, without a model: request i's tokens
   are (sum(prompt) + i) % VOCAB. `ready_event` decides ready(); `slot_free`
-  unset makes every request wait for a slot (then SlotsBusy)."""
+  unset makes every request wait for a slot (then SlotsBusy); `hold` keeps
+  every request pending until close() (then EngineClosed)."""
   VOCAB = 16
   BUCKETS = (4, 8)
   MAX_CACHE_LEN = 12
@@ -82,6 +83,8 @@ class FakeEngine:
     self.ready_event = threading.Event()
     self.slot_free = threading.Event()
     self.slot_free.set()
+    self.hold = False
+    self.held: List[concurrent.futures.Future] = []
     self.submitted: List[Tuple[Tuple[int, ...], Dict[str, Any]]] = []
     self.closed = False
 
@@ -101,7 +104,9 @@ class FakeEngine:
     self.submitted.append((prompt, dict(options,
                                         max_new_tokens=max_new_tokens)))
     future = concurrent.futures.Future()
-    if not self.slot_free.wait(timeout):
+    if self.hold:
+      self.held.append(future)
+    elif not self.slot_free.wait(timeout):
       future.set_exception(
           generation.SlotsBusy(f'all 1 slots stayed busy for {timeout} s'))
     else:
@@ -125,6 +130,9 @@ class FakeEngine:
 
   def close(self):
     self.closed = True
+    for future in self.held:
+      future.set_exception(
+          generation.EngineClosed('the GenerationEngine was closed'))
 
 
 @pytest.fixture
@@ -141,8 +149,8 @@ def fake_server():
     yield httpd.server_address[1], holder, FakeEngine()
   finally:
     httpd.shutdown()
-    httpd.server_close()
     holder.close()
+    httpd.server_close()
     thread.join(STOP_TIMEOUT)
 
 
@@ -321,6 +329,23 @@ def test_slots_busy_past_the_timeout_is_503(fake_server):
       'error': 'all 1 slots stayed busy for 0.5 s'
   })
   assert headers['Retry-After'] == '1'
+
+
+def test_closing_answers_the_waiting_requests(fake_server):
+  port, holder, engine = fake_server
+  holder.build(lambda: engine)
+  engine.ready_event.set()
+  engine.hold = True
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    answer = pool.submit(post, port, {'prompt_ids': [1], 'max_new_tokens': 1})
+    deadline = time.monotonic() + HTTP_TIMEOUT
+    while not engine.held and time.monotonic() < deadline:
+      time.sleep(POLL_SECONDS)
+    assert len(engine.held) == 1
+    holder.close()
+    assert answer.result(HTTP_TIMEOUT) == (503, {
+        'error': 'the GenerationEngine was closed'
+    })
 
 
 def test_wrong_paths_methods_and_lengths(fake_server):

@@ -2,7 +2,7 @@
 
   python tools/bench_generation.py [--demo] [--prompt-buckets 8,16,32]
       [--slots 4] [--max-cache-len 64] [--requests 16] [--threads 4]
-      [--new-tokens 8] [--decode-tokens 48] [--rounds 3] [--cache-dir DIR]
+      [--new-tokens 8] [--decode-tokens 48] [--rounds 5] [--cache-dir DIR]
 
 Starts `python -m torch_xla_patches.server --port 0` (the built-in tiny
 model) on an empty cache directory, then again on the same directory (a
@@ -302,7 +302,7 @@ def main() -> int:
   parser.add_argument('--threads', type=int, default=4)
   parser.add_argument('--new-tokens', type=int, default=8)
   parser.add_argument('--decode-tokens', type=int, default=48)
-  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--cache-dir',
                       default=None,
                       help='an empty directory to use (default: a new '

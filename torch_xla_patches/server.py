@@ -285,6 +285,8 @@ class EngineHolder:
 class GenerationHandler(http.server.BaseHTTPRequestHandler):
   """The endpoints; `self.server` is a GenerationServer."""
   server_version = 'torch_xla_patches'
+  # Seconds a connection may stall while its request is read or answered.
+  timeout = 60
 
   def log_message(self, format, *args):
     logger.debug('%s %s', self.address_string(), format % args)
@@ -384,8 +386,12 @@ class GenerationHandler(http.server.BaseHTTPRequestHandler):
 
 class GenerationServer(http.server.ThreadingHTTPServer):
   """A ThreadingHTTPServer whose handlers read `holder` (the engine) and
-  `slot_timeout` (seconds a request waits for a slot)."""
-  daemon_threads = True
+  `slot_timeout` (seconds a request waits for a slot).
+
+  Handler threads are joined by `server_close()`: close the holder first,
+  so that requests still waiting get their 503 (EngineClosed) and end."""
+  daemon_threads = False
+  block_on_close = True
 
   def __init__(self, address: Tuple[str, int], holder: EngineHolder,
                slot_timeout: float):
@@ -504,8 +510,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     httpd.serve_forever(poll_interval=0.1)
   finally:
-    httpd.server_close()
+    # Requests still waiting end with 503 (EngineClosed), then their
+    # threads are joined.
     holder.close()
+    httpd.server_close()
   return 1 if holder.failure is not None else 0
 
 
