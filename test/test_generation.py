@@ -13,9 +13,9 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_patches
-from torch_xla_patches import (EngineClosed, GenerationEngine,
-                               GenerationRequestError, GenerationResult,
-                               SlotsBusy, config)
+from torch_xla_patches import (CompiledAfterReady, EngineClosed,
+                               GenerationEngine, GenerationRequestError,
+                               GenerationResult, SlotsBusy, config)
 
 transformers = pytest.importorskip('transformers')
 
@@ -88,6 +88,76 @@ def engine():
   engine.close()
   config.generation_strict = strict
   torch_xla_patches.revert()
+
+
+FAMILIES = {
+    'qwen2': ('Qwen2ForCausalLM', 'Qwen2Config', {}),
+    'mistral':
+        ('MistralForCausalLM', 'MistralConfig', dict(sliding_window=None)),
+    'gpt2': ('GPT2LMHeadModel', 'GPT2Config', dict(n_positions=64)),
+    'llama, eager attention': ('LlamaForCausalLM', 'LlamaConfig',
+                               dict(attn_implementation='eager')),
+}
+
+
+@pytest.mark.parametrize('family', sorted(FAMILIES))
+def test_the_slot_layout_gives_eagers_tokens_across_families(family):
+  # The served module itself, eagerly on CPU: one cache object for every
+  # family whose attention calls the cache's update (see [Note: Slot
+  # cache]); three prompts in three slots of four, decoding together.
+  from torch_xla_patches import generation
+  model_class, config_class, extra = FAMILIES[family]
+  sizes = dict(vocab_size=VOCAB,
+               hidden_size=32,
+               intermediate_size=64,
+               num_hidden_layers=2,
+               num_attention_heads=4,
+               num_key_value_heads=2,
+               max_position_embeddings=64)
+  if family == 'gpt2':
+    sizes = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2)
+  torch.manual_seed(0)
+  model = getattr(transformers,
+                  model_class)(getattr(transformers,
+                                       config_class)(**sizes, **extra)).eval()
+  prompts = [prompt_of(3, 1), prompt_of(6, 2), prompt_of(1, 3)]
+  expected = []
+  for prompt in prompts:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+      out = model.generate(ids,
+                           attention_mask=torch.ones_like(ids),
+                           max_new_tokens=5,
+                           do_sample=False,
+                           eos_token_id=None,
+                           pad_token_id=0)
+    expected.append(out[0, len(prompt):].tolist())
+  attention = model.config._attn_implementation
+  cache = generation._SlotCache(generation.CacheShape.of(model), 4, CACHE,
+                                torch.float32, 'cpu')
+  decoder = generation._SlotDecoder(model, cache, attention == 'eager', 'cache')
+  slots = []
+  got = [[] for _ in prompts]
+  with torch.no_grad():
+    for index, prompt in enumerate(prompts):
+      padded = generation.pad_prompt(prompt, BUCKETS, 0)
+      ids, _ = decoder(torch.tensor([padded.token_ids]),
+                       torch.tensor([padded.first_index]),
+                       slot=torch.tensor([index]))
+      got[index].append(int(ids[0]))
+      slots.append([padded.first_index, len(padded.token_ids)])
+    slots.append([0, 0])  # idle
+    for _ in range(4):
+      ids, _ = decoder(torch.tensor([[g[-1]] for g in got] + [[0]]),
+                       torch.tensor([s[0] for s in slots]),
+                       write_index=torch.tensor([s[1] for s in slots]))
+      for index in range(len(prompts)):
+        got[index].append(int(ids[index]))
+        slots[index][1] += 1
+  assert got == expected
+  for layer in cache.layers:
+    assert torch.isfinite(layer.keys).all() and torch.isfinite(
+        layer.values).all()
 
 
 def test_ready_after_p_plus_one_programs(engine):
@@ -213,6 +283,34 @@ def test_sampling_with_a_seed_is_reproducible(engine):
   assert sample(3, top_k=1,
                 temperature=0.5).result().token_ids == eager(prompt, 8)
   assert engine.stats().compiles_after_ready == 0
+
+
+def test_a_compile_after_ready_is_counted_and_fails_under_strict(
+    engine, monkeypatch):
+  # A served call that also compiles a program of its own stands in for a
+  # bucket that was not compiled before ready.
+  served = engine._served
+  sizes = iter(range(1000, 1100))
+
+  def compiling(*args, **kwargs):
+    result = served(*args, **kwargs)
+    torch.arange(next(sizes), device=torch_xla.device()).sum().item()
+    return result
+
+  monkeypatch.setattr(engine, '_served', compiling)
+  prompt = prompt_of(3, 70)
+  with pytest.raises(CompiledAfterReady) as error:
+    engine.generate(prompt, max_new_tokens=2)
+  assert 'XLA compile(s) after ready, in a prefill step' in str(error.value)
+  assert engine.stats().compiles_after_ready == 1
+  monkeypatch.setattr(config, 'generation_strict', False)
+  assert engine.generate(prompt, max_new_tokens=2).token_ids == eager(prompt, 2)
+  # The prefill and one decode step each compiled.
+  assert engine.stats().compiles_after_ready == 3
+  assert met.counter_value('GenerationCompiledAfterReady') == 3
+  monkeypatch.undo()
+  assert engine.generate(prompt, max_new_tokens=2).token_ids == eager(prompt, 2)
+  assert engine.stats().compiles_after_ready == 3
 
 
 def test_close_fails_what_is_pending(engine):

@@ -48,8 +48,10 @@ the slot an argument, so one program serves every slot) and one decode step
 for all slots (idle slots are computed and ignored). The warm-up compiles
 them; the engine loop, the only thread that runs them, serves only after
 it, and counts an XLA compile during any step after ready
-(stats().compiles_after_ready), with a warning, or raises
-CompiledAfterReady under XLA_PATCHES_GENERATION_STRICT=1.
+(stats().compiles_after_ready), with a warning; under
+XLA_PATCHES_GENERATION_STRICT=1 the requests of that step also fail with
+CompiledAfterReady. The count is the process's: another thread compiling
+during a step is counted too.
 
 [Note: The engine loop]
 One daemon thread owns all device work. submit() validates a request on the
@@ -66,6 +68,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import logging
+import operator
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -429,6 +432,9 @@ class GenerationEngine:
     if parameter.device.type != 'xla':
       raise ValueError(f'GenerationEngine: the model is on {parameter.device}; '
                        'move it to torch_xla.device() first')
+    if model.training:
+      raise ValueError('GenerationEngine: the model is in training mode; '
+                       'call model.eval() first')
     attention = getattr(model.config, '_attn_implementation', None) or 'sdpa'
     if attention not in ('sdpa', 'eager'):
       raise ValueError("GenerationEngine: attention implementation "
@@ -447,6 +453,7 @@ class GenerationEngine:
                                            self._buckets(),
                                            cache_dir=cache_dir,
                                            wait=wait)
+    self._loaded = bool(self._served.loaded)
     self._condition = threading.Condition()
     self._queue: 'collections.deque[_Request]' = collections.deque()
     self._closed = False
@@ -556,13 +563,20 @@ class GenerationEngine:
           f'the prompt has {len(prompt)} tokens, over the largest prompt '
           f'bucket {largest}')
     vocab = self.shape.vocab_size
+    ids = []
     for token in prompt:
-      if (not isinstance(token, int) or isinstance(token, bool) or
-          not 0 <= token < vocab):
+      try:
+        if isinstance(token, bool):
+          raise TypeError
+        ids.append(operator.index(token))
+      except TypeError:
         raise GenerationRequestError(
-            f'token id {token!r} of the prompt is outside the vocabulary '
+            f'the prompt holds {token!r}; token ids are integers') from None
+      if not 0 <= ids[-1] < vocab:
+        raise GenerationRequestError(
+            f'token id {ids[-1]} of the prompt is outside the vocabulary '
             f'[0, {vocab})')
-    return prompt
+    return tuple(ids)
 
   @staticmethod
   def _token_set(name: str, tokens: Any) -> Tuple[int, ...]:
@@ -606,7 +620,7 @@ class GenerationEngine:
                              decode_programs=1,
                              requests_done=self._requests_done,
                              dynamo_frames=frames - self._frames_at_start,
-                             loaded=bool(self._served.loaded))
+                             loaded=self._loaded)
 
   def close(self) -> None:
     """Stops the loop; requests not finished fail with EngineClosed."""
@@ -692,23 +706,32 @@ class GenerationEngine:
 
   def _step(self, run, slots: List[Optional[_Slot]], *args) -> None:
     """Runs one prefill or decode step, counting the XLA compiles it
-    caused (see [Note: Programs of the engine])."""
+    caused (see [Note: Programs of the engine]); under
+    XLA_PATCHES_GENERATION_STRICT the requests of such a step fail with
+    CompiledAfterReady and free their slots."""
+    requests = list(args) or [s.request for s in slots if s is not None]
     before = _compile_count()
     run(slots, *args)
     compiled = _compile_count() - before
-    if compiled:
-      with self._condition:
-        self._compiles_after_ready += compiled
-      # Imports torch_xla: not at the package's import.
-      from torch_xla_patches import counters
-      counters.increment_counter(
-          counters.COUNTER_GENERATION_COMPILED_AFTER_READY, compiled)
-      message = (f'torch_xla_patches.generation: {compiled} XLA compile(s) '
-                 f'after ready, in a {run.__name__.lstrip("_")} step; the '
-                 'engine compiles P + 1 programs before ready and none after')
-      if config.generation_strict:
-        raise CompiledAfterReady(message)
-      logger.warning(message)
+    if not compiled:
+      return
+    with self._condition:
+      self._compiles_after_ready += compiled
+    # Imports torch_xla: not at the package's import.
+    from torch_xla_patches import counters
+    counters.increment_counter(counters.COUNTER_GENERATION_COMPILED_AFTER_READY,
+                               compiled)
+    message = (f'torch_xla_patches.generation: {compiled} XLA compile(s) '
+               f'after ready, in a {run.__name__.lstrip("_")} step; the '
+               'engine compiles P + 1 programs before ready and none after')
+    logger.warning(message)
+    if config.generation_strict:
+      for index, slot in enumerate(slots):
+        if slot is not None and slot.request in requests:
+          slots[index] = None
+      for request in requests:
+        if not request.future.done():
+          request.future.set_exception(CompiledAfterReady(message))
 
   def _prefill(self, slots: List[Optional[_Slot]], request: _Request) -> None:
     index = slots.index(None)
