@@ -439,7 +439,8 @@ class ServerProcess:
   def __init__(self, cache_dir: str, log_dir: str, name: str):
     self.stdout_path = os.path.join(log_dir, f'{name}.stdout')
     self.stderr_path = os.path.join(log_dir, f'{name}.stderr')
-    env = dict(os.environ, PJRT_DEVICE='CPU')
+    # A compile after ready fails its requests (CompiledAfterReady: 500).
+    env = dict(os.environ, PJRT_DEVICE='CPU', XLA_PATCHES_GENERATION_STRICT='1')
     env['PYTHONPATH'] = os.pathsep.join([REPO_ROOT, env.get('PYTHONPATH', '')])
     with open(self.stdout_path, 'w') as out, open(self.stderr_path, 'w') as err:
       self.process = subprocess.Popen([
