@@ -229,7 +229,9 @@ def decode_throughput(port: int, args: argparse.Namespace) -> Dict[str, Any]:
   busy_rate = statistics.median(busy)
   return dict(alone_tokens_per_s=alone_rate,
               busy_tokens_per_s=busy_rate,
-              ratio=busy_rate / alone_rate)
+              ratio=busy_rate / alone_rate,
+              alone_rounds=alone,
+              busy_rounds=busy)
 
 
 def run_start(args, name: str, cache_dir: str, log_dir: str, prompts,
@@ -273,11 +275,14 @@ def table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
         f'{row["decode_programs"]}) | {row["compiles_after_ready"]} | '
         f'{row["dynamo_frames"]} | {row["loaded"]} |')
   first = rows[0]
+  spread = lambda rates: f'{min(rates):.0f}-{max(rates):.0f}'
   lines.append(
-      f'decode, {args.decode_tokens} tokens a request: one request '
-      f'{first["alone_tokens_per_s"]:.0f} tokens/s, {args.slots} slots busy '
-      f'{first["busy_tokens_per_s"]:.0f} tokens/s: '
-      f'{first["ratio"]:.2f}x (goal >= 3x with 4 slots)')
+      f'decode, {args.decode_tokens} tokens a request, median of '
+      f'{args.rounds} rounds: one request {first["alone_tokens_per_s"]:.0f} '
+      f'tokens/s ({spread(first["alone_rounds"])}), {args.slots} slots busy '
+      f'{first["busy_tokens_per_s"]:.0f} tokens/s '
+      f'({spread(first["busy_rounds"])}): {first["ratio"]:.2f}x (goal >= 3x '
+      'with 4 slots)')
   return '\n'.join(lines)
 
 
