@@ -218,6 +218,15 @@ def build_engine(options: EngineOptions) -> 'generation.GenerationEngine':
                                      wait=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineState:
+  """What a request finds: the engine, and why it cannot serve yet."""
+  # The engine, once built (None before, after a failure, once closed).
+  engine: Optional['generation.GenerationEngine']
+  # Why requests get 503 now, or None when the engine is ready.
+  not_ready: Optional[str]
+
+
 class EngineHolder:
   """The engine once it is built, or why it could not be.
 
@@ -256,19 +265,20 @@ class EngineHolder:
       return None
     return engine
 
-  def engine(self):
-    """(engine or None, the reason it cannot serve yet or None)."""
+  def state(self) -> EngineState:
+    """The engine and its readiness, at once (see [Note: Server
+    readiness])."""
     with self._lock:
       engine, failure, closed = self._engine, self._failure, self._closed
     if closed:
-      return None, 'the server is shutting down'
+      return EngineState(None, 'the server is shutting down')
     if failure is not None:
-      return None, failure
+      return EngineState(None, failure)
     if engine is None:
-      return None, 'the engine is being built'
+      return EngineState(None, 'the engine is being built')
     if not engine.ready():
-      return engine, 'the engine is compiling its programs'
-    return engine, None
+      return EngineState(engine, 'the engine is compiling its programs')
+    return EngineState(engine, None)
 
   @property
   def failure(self) -> Optional[str]:
@@ -313,18 +323,20 @@ class GenerationHandler(http.server.BaseHTTPRequestHandler):
     if path == '/live':
       self._reply(200, {'live': True})
     elif path == '/ready':
-      _, reason = self.server.holder.engine()
-      if reason is None:
+      state = self.server.holder.state()
+      if state.not_ready is None:
         self._reply(200, {'ready': True})
       else:
-        self._not_ready(reason)
+        self._not_ready(state.not_ready)
     elif path == '/stats':
-      engine, reason = self.server.holder.engine()
-      if engine is None:
-        self._not_ready(reason)
+      state = self.server.holder.state()
+      if state.engine is None:
+        self._not_ready(state.not_ready)
       else:
         self._reply(
-            200, dict(dataclasses.asdict(engine.stats()), ready=reason is None))
+            200,
+            dict(dataclasses.asdict(state.engine.stats()),
+                 ready=state.not_ready is None))
     elif path == '/generate':
       self._reply(405, {'error': 'use POST for /generate'}, [('Allow', 'POST')])
     else:
@@ -355,11 +367,11 @@ class GenerationHandler(http.server.BaseHTTPRequestHandler):
     except BadRequest as e:
       self._reply(400, {'error': str(e)})
       return
-    engine, reason = self.server.holder.engine()
-    if reason is not None:
-      self._not_ready(reason)
+    state = self.server.holder.state()
+    if state.not_ready is not None:
+      self._not_ready(state.not_ready)
       return
-    self._generate(engine, request)
+    self._generate(state.engine, request)
 
   def _generate(self, engine, request: GenerateRequest) -> None:
     try:
