@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -394,6 +395,17 @@ def test_command_line_bounds():
                                               '1000'], ['--slot-timeout', '0']):
     with pytest.raises(SystemExit):
       server.parse_args(argv)
+
+
+def test_a_port_in_use_is_a_clear_error(capsys):
+  with socket.socket() as taken:
+    taken.bind(('127.0.0.1', 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    assert server.main(['--port', str(port)]) == 2
+  assert capsys.readouterr().err == (
+      f'python -m torch_xla_patches.server: cannot listen on '
+      f'127.0.0.1:{port}: Address already in use\n')
 
 
 # -- The real server in a subprocess ----------------------------------------

@@ -491,7 +491,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           slot_timeout=args.slot_timeout,
                           seed=args.seed)
   holder = EngineHolder()
-  httpd = GenerationServer((args.host, args.port), holder, args.slot_timeout)
+  try:
+    httpd = GenerationServer((args.host, args.port), holder, args.slot_timeout)
+  except OSError as e:
+    print(
+        f'python -m torch_xla_patches.server: cannot listen on '
+        f'{args.host}:{args.port}: {e.strerror or e}',
+        file=sys.stderr)
+    return 2
   host, port = httpd.server_address[:2]
   print(f'listening on http://{host}:{port}', flush=True)
 
