@@ -132,10 +132,10 @@ def test_the_slot_layout_gives_eagers_tokens_across_families(family):
                            eos_token_id=None,
                            pad_token_id=0)
     expected.append(out[0, len(prompt):].tolist())
-  attention = model.config._attn_implementation
   cache = generation._SlotCache(generation.CacheShape.of(model), 4, CACHE,
                                 torch.float32, 'cpu')
-  decoder = generation._SlotDecoder(model, cache, attention == 'eager', 'cache')
+  decoder = generation._SlotDecoder(model, cache,
+                                    generation.ModelCalls.of(model))
   slots = []
   got = [[] for _ in prompts]
   with torch.no_grad():

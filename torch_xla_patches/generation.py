@@ -235,7 +235,6 @@ class _SlotWrites:
     whole_cache: return every cache index (a decode step), or the call's
       own keys and values only (a prefill).
   """
-  is_compileable = True
 
   def __init__(self, cache: _SlotCache, rows: torch.Tensor,
                positions: torch.Tensor, whole_cache: bool):
@@ -266,55 +265,100 @@ class _SlotDecoder(torch.nn.Module):
   decode:  forward(input_ids (slots, 1), first_index (slots,),
                    write_index=(slots,))
   Each returns (next token ids (batch,), last logits (batch, vocab)).
+
+  Args:
+    model: the causal LM.
+    cache: the slot cache.
+    calls: how the model's forward is called (see ModelCalls).
   """
 
   def __init__(self, model: torch.nn.Module, cache: _SlotCache,
-               additive_mask: bool, cache_keyword: str):
+               calls: 'ModelCalls'):
     super().__init__()
     self.model = model
     self.cache = cache
-    self.additive_mask = additive_mask
-    self.cache_keyword = cache_keyword
+    # Plain values: serve()'s key holds them (see [Note: Serve key]).
+    self.cache_keyword = calls.cache_keyword
+    self.logits_to_keep = calls.logits_to_keep
+    self.additive_mask_dtype = calls.additive_mask_dtype
 
   def forward(self,
               input_ids: torch.Tensor,
               first_index: torch.Tensor,
               write_index: Optional[torch.Tensor] = None,
               slot: Optional[torch.Tensor] = None):
+    # See [Note: Slot layout and masks].
     device = input_ids.device
     if slot is not None:
       # A prompt, written at [0, P) of its slot.
       length = input_ids.shape[1]
-      keys = torch.arange(length, device=device)
-      position_ids = (keys - first_index[:, None]).clamp(min=0)
-      query = keys[:, None]
-      allowed = ((keys[None, :] <= query) &
-                 (keys[None, :] >= first_index[:, None, None])) | (keys[None, :]
-                                                                   == query)
-      mask = allowed[:, None]
-      writes = _SlotWrites(self.cache, slot, keys[None, :].expand(1, length),
-                           False)
+      indices = torch.arange(length, device=device)
+      position_ids = (indices - first_index[:, None]).clamp(min=0)
+      query, key = indices[:, None], indices[None, :]
+      real = (key <= query) & (key >= first_index[:, None, None])
+      mask = (real | (key == query))[:, None]
+      writes = _SlotWrites(self.cache, slot, key.expand(1, length), False)
     else:
       # One token per slot, at each slot's own write index.
-      keys = torch.arange(self.cache.max_cache_len, device=device)
+      key = torch.arange(self.cache.max_cache_len, device=device)[None, :]
       position_ids = (write_index - first_index)[:, None]
-      allowed = ((keys[None, :] >= first_index[:, None]) &
-                 (keys[None, :] <= write_index[:, None]))
-      mask = allowed[:, None, None, :]
+      real = (key >= first_index[:, None]) & (key <= write_index[:, None])
+      mask = real[:, None, None, :]
       rows = torch.arange(input_ids.shape[0], device=device)
       writes = _SlotWrites(self.cache, rows, write_index[:, None], True)
-    if self.additive_mask:
-      dtype = self.cache.dtype
+    if self.additive_mask_dtype is not None:
+      dtype = self.additive_mask_dtype
       mask = torch.zeros(mask.shape, dtype=dtype,
                          device=device).masked_fill(~mask,
                                                     torch.finfo(dtype).min)
+    kwargs = {self.cache_keyword: writes}
+    if self.logits_to_keep:
+      kwargs['logits_to_keep'] = 1
     out = self.model(input_ids=input_ids,
                      attention_mask=mask,
                      position_ids=position_ids,
                      use_cache=True,
-                     **{self.cache_keyword: writes})
+                     **kwargs)
     logits = out.logits[:, -1]
     return logits.argmax(-1), logits
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCalls:
+  """How the engine calls the model's forward, read from the model.
+
+  Args:
+    cache_keyword: the forward's name for the cache: `cache`
+      (transformers 5.2x) or `past_key_values` (earlier releases).
+    logits_to_keep: whether the forward takes `logits_to_keep` (then only
+      the last position's logits are computed).
+    additive_mask_dtype: None for a bool mask (sdpa attention); the dtype of
+      an additive mask (eager attention adds it to the scores).
+  """
+  cache_keyword: str
+  logits_to_keep: bool
+  additive_mask_dtype: Optional[torch.dtype]
+
+  @staticmethod
+  def of(model: torch.nn.Module) -> 'ModelCalls':
+    parameters = inspect.signature(model.forward).parameters
+    keyword = next(
+        (name for name in ('cache', 'past_key_values') if name in parameters),
+        None)
+    if keyword is None:
+      raise TypeError(f'GenerationEngine: {type(model).__name__}.forward '
+                      'takes neither `cache` nor `past_key_values`; give a '
+                      'transformers causal LM')
+    attention = getattr(model.config, '_attn_implementation', None) or 'sdpa'
+    if attention not in ('sdpa', 'eager'):
+      raise ValueError('GenerationEngine: attention implementation '
+                       f"{attention!r}; the engine's 4-D masks need 'sdpa' or "
+                       "'eager'")
+    dtype = next(model.parameters()).dtype
+    return ModelCalls(
+        cache_keyword=keyword,
+        logits_to_keep='logits_to_keep' in parameters,
+        additive_mask_dtype=dtype if attention == 'eager' else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,18 +419,6 @@ def _dynamo_frames() -> int:
   return int(dynamo_counters['stats']['unique_graphs'])
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
-  """The forward's name for the cache: `cache` (transformers 5.2x) or
-  `past_key_values` (earlier releases)."""
-  parameters = inspect.signature(model.forward).parameters
-  for name in ('cache', 'past_key_values'):
-    if name in parameters:
-      return name
-  raise TypeError(f'GenerationEngine: {type(model).__name__}.forward takes '
-                  'neither `cache` nor `past_key_values`; give a transformers '
-                  'causal LM')
-
-
 class GenerationEngine:
   """Generates tokens for requests from any thread, decoding up to `slots`
   requests together (see [Note: The engine loop]).
@@ -435,19 +467,14 @@ class GenerationEngine:
     if model.training:
       raise ValueError('GenerationEngine: the model is in training mode; '
                        'call model.eval() first')
-    attention = getattr(model.config, '_attn_implementation', None) or 'sdpa'
-    if attention not in ('sdpa', 'eager'):
-      raise ValueError("GenerationEngine: attention implementation "
-                       f"{attention!r}; the engine's 4-D masks need 'sdpa' or "
-                       "'eager'")
+    calls = ModelCalls.of(model)
     self._frames_at_start = _dynamo_frames()
     self._compiles_at_start = _compile_count()
     device = torch_xla.device()
     self._device = device
     cache = _SlotCache(self.shape, slots, max_cache_len, dtype or
                        parameter.dtype, device)
-    self._decoder = _SlotDecoder(model, cache, attention == 'eager',
-                                 _cache_keyword(model))
+    self._decoder = _SlotDecoder(model, cache, calls)
     import torch_xla_patches
     self._served = torch_xla_patches.serve(self._decoder,
                                            self._buckets(),
