@@ -72,8 +72,8 @@ def post(port: int, body: Any) -> Tuple[int, Dict]:
 
 
 class FakeEngine:
-  """ENGINE_API.md's GenerationEngine, without a model: request i's tokens
-  are (sum(prompt) + i) % VOCAB. `ready_event` decides ready(); `slot_free`
+  """GenerationEngine's API without a model: a request's token i is
+  (sum(prompt) + i) % VOCAB. `ready_event` decides ready(); `slot_free`
   unset makes every request wait for a slot (then SlotsBusy); `hold` keeps
   every request pending until close() (then EngineClosed)."""
   VOCAB = 16
