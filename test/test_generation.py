@@ -19,8 +19,6 @@ from torch_xla_patches import (CompiledAfterReady, EngineClosed,
 
 transformers = pytest.importorskip('transformers')
 
-pytestmark = pytest.mark.requires('torch_aot_compile')
-
 BUCKETS = (4, 8)
 SLOTS = 2
 CACHE = 32
@@ -313,6 +311,33 @@ def test_a_compile_after_ready_is_counted_and_fails_under_strict(
   assert engine.stats().compiles_after_ready == 3
 
 
+def test_a_step_that_raises_fails_its_requests_alone(engine, monkeypatch):
+  served = engine._served
+  calls = iter(range(100))
+
+  def failing_once(*args, **kwargs):
+    if next(calls) == 0:
+      raise RuntimeError('a device error')
+    return served(*args, **kwargs)
+
+  monkeypatch.setattr(engine, '_served', failing_once)
+  prompt = prompt_of(5, 80)
+  with pytest.raises(RuntimeError, match='a device error'):
+    engine.generate(prompt, max_new_tokens=3)
+  assert engine.generate(prompt, max_new_tokens=3).token_ids == eager(prompt, 3)
+
+
+def test_a_cancelled_request_is_dropped(engine):
+  long = [prompt_of(2, 90 + i) for i in range(SLOTS)]
+  busy = [engine.submit(p, max_new_tokens=24) for p in long]
+  queued = engine.submit(prompt_of(3, 95), max_new_tokens=2)
+  assert queued.cancel()
+  for prompt, future in zip(long, busy):
+    assert future.result().token_ids == eager(prompt, 24)
+  assert engine.generate(prompt_of(3, 95), max_new_tokens=2).token_ids == eager(
+      prompt_of(3, 95), 2)
+
+
 def test_close_fails_what_is_pending(engine):
   futures = [
       engine.submit(prompt_of(2, 60 + i), max_new_tokens=24)
@@ -351,7 +376,10 @@ print(json.dumps(dict(tokens=tokens, loaded=stats.loaded,
 '''
 
 
+@pytest.mark.requires('torch_aot_compile')
 def test_a_restart_loads_its_captures(tmp_path):
+  # On torch 2.8 (no aot_compile) a restart traces dynamo again; the rest of
+  # the engine works there as here.
   from bridge_testing import run_reports
   here = os.path.dirname(os.path.abspath(__file__))
   code = RESTART_SCRIPT.replace('TEST_DIR',
@@ -365,3 +393,17 @@ def test_a_restart_loads_its_captures(tmp_path):
     assert report['tokens'] == expected
     assert report['programs'] == len(BUCKETS) + 1
     assert report['after_ready'] == 0
+
+
+def test_close_during_the_warm_up_returns_at_once():
+  # Last: its programs go on compiling in the background until the module's
+  # engine fixture reverts the patch.
+  engine = GenerationEngine(llama(torch_xla.device()),
+                            prompt_buckets=(6,),
+                            slots=1,
+                            max_cache_len=CACHE)
+  future = engine.submit([1, 2, 3], max_new_tokens=2)
+  engine.close()
+  assert not engine.ready()
+  with pytest.raises(EngineClosed):
+    future.result()

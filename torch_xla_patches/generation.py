@@ -15,21 +15,21 @@ shape (slots, max_cache_len, kv_heads, head_dim), allocated once on the
 device. They are plain attributes of plain objects (`_SlotCache`, its
 `layers`) held by the served module (`_SlotDecoder`), marked static
 addresses, so serve() lifts them to arguments of every program, donated and
-written in place (see "State held outside
-parameters and buffers" in docs/serving.md): no second cache exists, for
-any bucket. Each call hands the model a fresh `_SlotWrites` made inside the
-captured forward; transformers' attention calls its `update(key_states,
-value_states, layer_idx, ...)`, which writes row r of the batch into cache
-row rows[r] at the indices positions[r] (index_put_) and returns the keys
-and values that row attends to: for a prefill the prompt's own (the slot's
-older entries are never read), for a decode step the whole cache. So one
-object serves every model family whose attention calls `update`, with no
-per-model code.
+written in place (see "State held outside parameters and buffers" in
+docs/serving.md): no second cache exists, for any bucket. Each call hands
+the model a fresh `_SlotWrites` made inside the captured forward;
+transformers' attention calls its `update(key_states, value_states,
+layer_idx, ...)`, which writes row r of the batch into cache row rows[r] at
+the indices positions[r] (index_put_) and returns the keys and values that
+row attends to: for a prefill the prompt's own (the slot's older entries
+are never read), for a decode step the whole cache. So one object serves
+every model family whose attention calls `update`, with no per-model code.
 
 [Note: Slot layout and masks]
-A prompt of n tokens in bucket P is left-padded with P - n pad tokens and
-written at cache indices [0, P) of its slot: its real tokens sit at
-[P - n, P) (`first_index` = P - n) and its t-th new token's keys at P + t.
+A prompt of n tokens in bucket P is left-padded with P - n pad tokens (id
+0: any id would do, no real token attends to them) and written at cache
+indices [0, P) of its slot: its real tokens sit at [P - n, P)
+(`first_index` = P - n) and its t-th new token's keys at P + t.
 Positions count real tokens only (cache index - first_index), so RoPE sees
 what it sees without padding, and every mask is built inside the program
 from first_index and the write index, 4-D, which transformers' masking
@@ -407,6 +407,10 @@ class _Slot:
   write_index: int
 
 
+# How often the loop looks at close() while the programs compile.
+_POLL_SECONDS = 0.1
+
+
 def _compile_count() -> int:
   """XLA compiles of this process so far (torch_xla's CompileTime)."""
   import torch_xla.debug.metrics as met
@@ -628,12 +632,14 @@ class GenerationEngine:
   def wait_ready(self, timeout: Optional[float] = None) -> bool:
     """Waits until every program is compiled (or one failed), at most
     `timeout` seconds; returns ready()."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     if not self._served.wait_ready(timeout):
       return False
     # The loop takes its counts once the warm-up is over.
     with self._condition:
       self._condition.wait_for(
-          lambda: self._ready_stats is not None or self._closed, timeout)
+          lambda: self._ready_stats is not None or self._closed,
+          None if deadline is None else max(0.0, deadline - time.monotonic()))
     return self.ready()
 
   def stats(self) -> GenerationStats:
@@ -668,24 +674,37 @@ class GenerationEngine:
   def _run(self) -> None:
     slots: List[Optional[_Slot]] = [None] * self.slots
     try:
-      self._served.wait_ready()
-      with self._condition:
-        self._ready_stats = (_dynamo_frames(), _compile_count())
-        self._ready_at = time.monotonic()
-        self._condition.notify_all()
-      while True:
-        admitted = self._next_requests(slots)
-        if admitted is None:
-          break
-        for request in admitted:
-          self._step(self._prefill, slots, request)
-        if any(slots):
-          self._step(self._decode, slots)
+      if self._wait_for_programs():
+        while True:
+          admitted = self._next_requests(slots)
+          if admitted is None:
+            break
+          for request in admitted:
+            self._step(self._prefill, slots, request)
+          if any(slots):
+            self._step(self._decode, slots)
     except BaseException as error:  # pylint: disable=broad-except
       logger.exception('torch_xla_patches.generation: the engine loop stopped')
       self._fail_all(slots, EngineClosed(f'the engine loop stopped: {error!r}'))
       return
     self._fail_all(slots, EngineClosed('the GenerationEngine was closed'))
+
+  def _wait_for_programs(self) -> bool:
+    """Waits until the warm-up is over (every program compiled, or failed:
+    steps then compile what they need, counted after ready) and takes the
+    counts of stats(); False if closed first."""
+    # Polled, so that close() during the warm-up returns at once.
+    while not self._served.readiness().done:
+      with self._condition:
+        if self._closed:
+          return False
+      self._served.wait_ready(_POLL_SECONDS)
+    self._served.wait_ready()  # the artifact's write, after the compiles
+    with self._condition:
+      self._ready_stats = (_dynamo_frames(), _compile_count())
+      self._ready_at = time.monotonic()
+      self._condition.notify_all()
+    return True
 
   def _next_requests(self,
                      slots: List[Optional[_Slot]]) -> Optional[List[_Request]]:
@@ -700,7 +719,11 @@ class GenerationEngine:
         if self._queue and free or any(slots):
           admitted = []
           while self._queue and len(admitted) < free:
-            admitted.append(self._queue.popleft())
+            request = self._queue.popleft()
+            # A caller may have cancelled its future while it was queued;
+            # from here on it cannot.
+            if request.future.set_running_or_notify_cancel():
+              admitted.append(request)
           return admitted
         self._condition.wait(self._next_deadline())
 
@@ -711,6 +734,8 @@ class GenerationEngine:
     kept = collections.deque()
     for position, request in enumerate(self._queue):
       deadline = self._deadline(request)
+      if request.future.cancelled():
+        continue
       if position >= free and deadline is not None and now >= deadline:
         request.future.set_exception(
             SlotsBusy(f'all {self.slots} slots stayed busy for the request\'s '
@@ -735,10 +760,18 @@ class GenerationEngine:
     """Runs one prefill or decode step, counting the XLA compiles it
     caused (see [Note: Programs of the engine]); under
     XLA_PATCHES_GENERATION_STRICT the requests of such a step fail with
-    CompiledAfterReady and free their slots."""
+    CompiledAfterReady and free their slots, as do the requests of a step
+    that raised, with its error."""
     requests = list(args) or [s.request for s in slots if s is not None]
     before = _compile_count()
-    run(slots, *args)
+    try:
+      run(slots, *args)
+    except Exception as error:  # pylint: disable=broad-except
+      logger.exception(
+          'torch_xla_patches.generation: a %s step raised; its %d request(s) '
+          'fail with its error', run.__name__.lstrip('_'), len(requests))
+      self._fail_step(slots, requests, error)
+      return
     compiled = _compile_count() - before
     if not compiled:
       return
@@ -753,12 +786,19 @@ class GenerationEngine:
                'engine compiles P + 1 programs before ready and none after')
     logger.warning(message)
     if config.generation_strict:
-      for index, slot in enumerate(slots):
-        if slot is not None and slot.request in requests:
-          slots[index] = None
-      for request in requests:
-        if not request.future.done():
-          request.future.set_exception(CompiledAfterReady(message))
+      self._fail_step(slots, requests, CompiledAfterReady(message))
+
+  @staticmethod
+  def _fail_step(slots: List[Optional[_Slot]], requests: List[_Request],
+                 error: Exception) -> None:
+    """The step's requests not finished fail with `error`; their slots are
+    freed."""
+    for index, slot in enumerate(slots):
+      if slot is not None and slot.request in requests:
+        slots[index] = None
+    for request in requests:
+      if not request.future.done():
+        request.future.set_exception(error)
 
   def _prefill(self, slots: List[Optional[_Slot]], request: _Request) -> None:
     index = slots.index(None)
