@@ -409,8 +409,8 @@ def test_a_port_in_use_is_a_clear_error(capsys):
 
 
 # -- The real server in a subprocess ----------------------------------------
-# The engine needs torch 2.9 (see test_generation.py); on 2.8 these are
-# skipped with the reason.
+# A restart loads its captures on torch 2.9 only (torch 2.8 has no
+# aot_compile: a restart traces dynamo again).
 
 BUCKETS = (8, 16)
 SLOTS = 4
@@ -551,7 +551,6 @@ def burst(port: int, bodies: List[Any]) -> List[Tuple[int, Dict]]:
     return list(pool.map(one, bodies))
 
 
-@pytest.mark.requires('torch_aot_compile')
 def test_live_at_once_ready_503_then_200(first_server):
   assert first_server.first_live == (200, {'live': True})
   assert first_server.first_ready[0] == 503
@@ -559,7 +558,6 @@ def test_live_at_once_ready_503_then_200(first_server):
   assert get(first_server.port, '/live') == (200, {'live': True})
 
 
-@pytest.mark.requires('torch_aot_compile')
 def test_concurrent_requests_give_eagers_tokens_and_bad_ones_fail_alone(
     first_server, expected):
   prompt_list, tokens = expected
