@@ -396,8 +396,6 @@ def test_a_restart_loads_its_captures(tmp_path):
 
 
 def test_close_during_the_warm_up_returns_at_once():
-  # Last: its programs go on compiling in the background until the module's
-  # engine fixture reverts the patch.
   engine = GenerationEngine(llama(torch_xla.device()),
                             prompt_buckets=(6,),
                             slots=1,
@@ -407,3 +405,6 @@ def test_close_during_the_warm_up_returns_at_once():
   assert not engine.ready()
   with pytest.raises(EngineClosed):
     future.result()
+  # The programs go on compiling in the background (serve()'s warm-up):
+  # waited for, so that no trace of it runs past the test.
+  assert engine.wait_ready()
