@@ -227,6 +227,13 @@ def test_threads_get_their_own_tokens_and_nothing_compiles(engine):
     ([1, -1], {}, 'token id -1 of the prompt is outside'),
     ([1, 2], dict(max_new_tokens=0), 'max_new_tokens must be an integer >= 1'),
     ([1, 2], dict(do_sample=True, temperature=0.0), 'temperature must be > 0'),
+    ([1, 2], dict(do_sample=True, temperature='hot'),
+     "temperature must be a number, got 'hot'"),
+    ([1, 2], dict(do_sample=True, seed=1.5), 'seed must be an integer'),
+    (None, {}, 'prompt_ids must be a sequence of token ids, got NoneType'),
+    (torch.tensor([[1, 2]]), {}, 'one sequence of token ids, got a tensor of '
+     'shape (1, 2)'),
+    ([1, 2.5], {}, 'the prompt holds 2.5; token ids are integers'),
 ])
 def test_a_bad_request_fails_alone(engine, prompt, kwargs, message):
   good = prompt_of(6, 7)

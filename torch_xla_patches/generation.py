@@ -407,6 +407,14 @@ class _Slot:
   write_index: int
 
 
+def _number(name: str, value: Any) -> float:
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    raise GenerationRequestError(
+        f'{name} must be a number, got {value!r}') from None
+
+
 # How often the loop looks at close() while the programs compile.
 _POLL_SECONDS = 0.1
 
@@ -549,15 +557,18 @@ class GenerationEngine:
                        stop_token_ids=self._token_set('stop_token_ids',
                                                       stop_token_ids),
                        do_sample=bool(do_sample),
-                       temperature=float(temperature),
+                       temperature=_number('temperature', temperature),
                        top_k=top_k)
     if do_sample and not options.temperature > 0:
       raise GenerationRequestError(
           f'temperature must be > 0 to sample, got {temperature!r}')
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
       raise GenerationRequestError(f'top_k must be >= 1, got {top_k!r}')
-    if timeout is not None and not timeout >= 0:
+    if timeout is not None and not _number('timeout', timeout) >= 0:
       raise GenerationRequestError(f'timeout must be >= 0, got {timeout!r}')
+    if seed is not None and (not isinstance(seed, int) or
+                             isinstance(seed, bool)):
+      raise GenerationRequestError(f'seed must be an integer, got {seed!r}')
     generator = None
     if do_sample:
       generator = torch.Generator()
@@ -579,12 +590,17 @@ class GenerationEngine:
 
   def _check_prompt(self, prompt_ids: Sequence[int]) -> Tuple[int, ...]:
     if isinstance(prompt_ids, torch.Tensor):
-      if prompt_ids.dim() > 1:
+      if prompt_ids.dim() != 1:
         raise GenerationRequestError(
             'prompt_ids must be one sequence of token ids, got a tensor of '
             f'shape {tuple(prompt_ids.shape)}')
       prompt_ids = prompt_ids.tolist()
-    prompt = tuple(prompt_ids)
+    try:
+      prompt = tuple(prompt_ids)
+    except TypeError:
+      raise GenerationRequestError(
+          'prompt_ids must be a sequence of token ids, got '
+          f'{type(prompt_ids).__name__}') from None
     if not prompt:
       raise GenerationRequestError('the prompt is empty; give at least one '
                                    'token id')
