@@ -57,6 +57,8 @@ LAYERS = (
     ('serving and tools', {'serving', 'cache'}),
     # Generation over serve(): slots of one KV cache, an engine loop.
     ('generation', {'generation'}),
+    # The reference HTTP server over the generation engine.
+    ('reference server', {'server'}),
     ('package API', {'__init__'}),
 )
 LAYER_OF = {

@@ -1,102 +1,342 @@
-"""GenerationEngine: time to ready, programs compiled, and decode throughput
-of one request against `slots` requests at once, in one process.
+"""The reference generation server, measured from outside over HTTP.
 
-  PJRT_DEVICE=CPU .venv/bin/python tools/bench_generation.py \
-      [--cache-dir DIR] [--slots 4] [--new-tokens 64]
+  python tools/bench_generation.py [--demo] [--prompt-buckets 8,16,32]
+      [--slots 4] [--max-cache-len 64] [--requests 16] [--threads 4]
+      [--new-tokens 8] [--decode-tokens 48] [--rounds 5] [--cache-dir DIR]
 
-Run it twice with the same --cache-dir for a restart's row (the second run
-loads the captures: 0 dynamo frames). Each throughput row is the best of
---repeats runs; compare the rows of one run only (the machine is shared).
-On 2 shared cores (load ~8) at the commit adding it: first start ready in
-39 s, restart 18 s (loaded, 0 dynamo frames), 4 programs = P + 1 both times,
-0 compiles after ready, 4 slots 3.3x to 5.5x one request's tokens per
-second (three runs; absolute tokens per second varied 4x with the load).
+Starts `python -m torch_xla_patches.server --port 0` (the built-in tiny
+model) on an empty cache directory, then again on the same directory (a
+restart), and for each start measures:
+  live s        from the process's start to /live answering 200
+  ready s       from the process's start to /ready answering 200 (polled
+                every 0.05 s)
+  burst         --requests requests of mixed prompt lengths (1 to the
+                largest bucket, seeded), --new-tokens greedy tokens each,
+                sent from --threads threads at once (more requests than
+                slots); every answer's tokens are checked against the same
+                model's unpadded transformers generate() on the CPU
+  programs      the engine's programs compiled (/stats) against P + B: P
+                prompt buckets, B decode programs; and the compiles after
+                ready (should be 0)
+  dynamo frames and loaded, from /stats (a restart: 0 and true)
+On the first start only, decode throughput: one request of --decode-tokens
+new tokens alone, then --slots such requests at once (every slot busy),
+alternating for --rounds rounds; tokens per second of the median round of
+each, and their ratio (the goal: >= 3x with 4 slots). Each figure includes
+the requests' prefills and HTTP. `--demo` prints a short table; without it
+every measurement is printed as JSON too. The machine may be shared: compare
+ratios from one run.
 """
 import argparse
+import concurrent.futures
+import http.client
 import json
 import os
+import re
+import signal
+import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-
-import torch
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+
+from torch_xla_patches import server  # noqa: E402
+
+POLL_SECONDS = 0.05
+START_TIMEOUT = 120.0
+READY_TIMEOUT = 600.0
+HTTP_TIMEOUT = 300.0
 
 
-def build_model(device):
-  import transformers
-  config = transformers.LlamaConfig(vocab_size=256,
-                                    hidden_size=64,
-                                    intermediate_size=128,
-                                    num_hidden_layers=2,
-                                    num_attention_heads=4,
-                                    num_key_value_heads=2,
-                                    max_position_embeddings=256)
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(config).eval()
-  return model.to(device)
+def call(port: int,
+         method: str,
+         path: str,
+         body: Any = None) -> Tuple[int, Dict[str, Any]]:
+  """(status, JSON payload) of one request to 127.0.0.1:port."""
+  connection = http.client.HTTPConnection('127.0.0.1',
+                                          port,
+                                          timeout=HTTP_TIMEOUT)
+  try:
+    data = None if body is None else json.dumps(body).encode()
+    connection.request(method, path, body=data)
+    response = connection.getresponse()
+    return response.status, json.loads(response.read() or b'{}')
+  finally:
+    connection.close()
 
 
-def tokens_per_second(engine, prompts, new_tokens, repeats):
-  """Best generated tokens per second over `repeats` runs of `prompts`
-  submitted at once (each runs to new_tokens: no EOS)."""
-  # Untimed: each bucket's first call takes the full path, then learns the
-  # fast one.
-  for future in [engine.submit(p, max_new_tokens=new_tokens) for p in prompts]:
-    future.result()
-  best = 0.0
-  for _ in range(repeats):
-    start = time.perf_counter()
-    futures = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts]
-    done = sum(len(f.result().token_ids) for f in futures)
-    best = max(best, done / (time.perf_counter() - start))
-  return best
+class Server:
+  """The server in a subprocess, with the times it took to answer."""
+
+  def __init__(self, args: argparse.Namespace, cache_dir: str, log_path: str):
+    self.log_path = log_path
+    started = time.monotonic()
+    env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'))
+    env['PYTHONPATH'] = os.pathsep.join([REPO_ROOT, env.get('PYTHONPATH', '')])
+    self._stdout = tempfile.TemporaryFile('w+')
+    with open(log_path, 'w') as log:
+      self.process = subprocess.Popen([
+          sys.executable, '-m', 'torch_xla_patches.server', '--port', '0',
+          '--cache-dir', cache_dir, '--prompt-buckets', ','.join(
+              map(str, args.prompt_buckets)), '--slots',
+          str(args.slots), '--max-cache-len',
+          str(args.max_cache_len)
+      ],
+                                      stdout=self._stdout,
+                                      stderr=log,
+                                      env=env,
+                                      cwd=REPO_ROOT)
+    self.port = self._wait_port(started)
+    self.live_seconds = self._wait(started, '/live', START_TIMEOUT)
+    self.ready_seconds = self._wait(started, '/ready', READY_TIMEOUT)
+
+  def _failed(self, what: str) -> RuntimeError:
+    with open(self.log_path) as f:
+      return RuntimeError(f'{what}; the server\'s log ends:\n'
+                          f'{f.read()[-3000:]}')
+
+  def _wait_port(self, started: float) -> int:
+    while time.monotonic() < started + START_TIMEOUT:
+      self._stdout.seek(0)
+      found = re.search(r'^listening on http://[^:]+:(\d+)$',
+                        self._stdout.read(), re.M)
+      if found:
+        return int(found.group(1))
+      if self.process.poll() is not None:
+        raise self._failed(f'the server exited with '
+                           f'{self.process.returncode}')
+      time.sleep(POLL_SECONDS)
+    raise self._failed(f'no port printed in {START_TIMEOUT} s')
+
+  def _wait(self, started: float, path: str, timeout: float) -> float:
+    while time.monotonic() < started + timeout:
+      if call(self.port, 'GET', path)[0] == 200:
+        return time.monotonic() - started
+      if self.process.poll() is not None:
+        raise self._failed(f'the server exited with '
+                           f'{self.process.returncode}')
+      time.sleep(POLL_SECONDS)
+    raise self._failed(f'{path} not 200 within {timeout} s')
+
+  def stats(self) -> Dict[str, Any]:
+    status, payload = call(self.port, 'GET', '/stats')
+    if status != 200:
+      raise self._failed(f'/stats answered {status}: {payload}')
+    return payload
+
+  def stop(self) -> None:
+    if self.process.poll() is None:
+      self.process.send_signal(signal.SIGTERM)
+      try:
+        self.process.wait(30)
+      except subprocess.TimeoutExpired:
+        self.process.kill()
+        self.process.wait(30)
+    self._stdout.close()
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--cache-dir', default=None)
-  parser.add_argument('--slots', type=int, default=4)
-  parser.add_argument('--new-tokens', type=int, default=64)
-  parser.add_argument('--repeats', type=int, default=3)
-  args = parser.parse_args()
-  # This checkout's package, wherever the tool is run from.
-  sys.path.insert(0, REPO_ROOT)
-  import torch_xla
-  import torch_xla_patches
-  model = build_model(torch_xla.device())
-  buckets = (8, 16, 32)
-  start = time.perf_counter()
-  engine = torch_xla_patches.GenerationEngine(model,
-                                              prompt_buckets=buckets,
-                                              slots=args.slots,
-                                              max_cache_len=32 +
-                                              args.new_tokens,
-                                              cache_dir=args.cache_dir,
-                                              wait=True)
-  ready_seconds = time.perf_counter() - start
-  generator = torch.Generator().manual_seed(1)
-  prompts = [
-      torch.randint(0, 256, (length,), generator=generator).tolist()
-      for length in (5, 12, 20, 30, 7, 16, 3, 25)[:args.slots]
+def mixed_prompts(count: int, longest: int, vocab: int) -> List[List[int]]:
+  """`count` prompts of seeded lengths from 1 to `longest`."""
+  generator = torch.Generator().manual_seed(40)
+  lengths = torch.randint(1, longest + 1, (count,), generator=generator)
+  return [
+      torch.randint(0, vocab, (int(n),), generator=generator).tolist()
+      for n in lengths
   ]
-  one = tokens_per_second(engine, prompts[:1], args.new_tokens, args.repeats)
-  many = tokens_per_second(engine, prompts, args.new_tokens, args.repeats)
-  stats = engine.stats()
-  engine.close()
-  print(
-      json.dumps(
-          dict(ready_seconds=round(ready_seconds, 1),
-               loaded=stats.loaded,
-               dynamo_frames=stats.dynamo_frames,
-               programs_compiled=stats.programs_compiled,
-               expected_programs=len(buckets) + 1,
-               compiles_after_ready=stats.compiles_after_ready,
-               tokens_per_second_one=round(one, 1),
-               tokens_per_second_slots=round(many, 1),
-               slots=args.slots,
-               ratio=round(many / one, 2))))
+
+
+def eager_tokens(prompts: Sequence[List[int]],
+                 new_tokens: int) -> List[List[int]]:
+  """The built-in model's greedy tokens after each prompt, unpadded, with
+  transformers' generate() on the CPU."""
+  model = server.builtin_model()
+  tokens = []
+  with torch.no_grad():
+    for prompt in prompts:
+      ids = torch.tensor([prompt])
+      out = model.generate(ids,
+                           attention_mask=torch.ones_like(ids),
+                           max_new_tokens=new_tokens,
+                           do_sample=False)
+      tokens.append(out[0, len(prompt):].tolist())
+  return tokens
+
+
+def burst(port: int, prompts: Sequence[List[int]], new_tokens: int,
+          threads: int) -> Tuple[List[Tuple[int, Dict]], float]:
+  """Every prompt posted from `threads` threads released together; (the
+  answers in prompt order, wall seconds)."""
+  barrier = threading.Barrier(threads)
+  queue = list(enumerate(prompts))
+  lock = threading.Lock()
+  answers: List[Optional[Tuple[int, Dict]]] = [None] * len(prompts)
+
+  def worker():
+    barrier.wait(HTTP_TIMEOUT)
+    while True:
+      with lock:
+        if not queue:
+          return
+        index, prompt = queue.pop(0)
+      answers[index] = call(port, 'POST', '/generate', {
+          'prompt_ids': prompt,
+          'max_new_tokens': new_tokens
+      })
+
+  started = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    for future in [pool.submit(worker) for _ in range(threads)]:
+      future.result()
+  return answers, time.perf_counter() - started
+
+
+def check_burst(answers, tokens) -> Dict[str, int]:
+  """Counts of answers equal to eager's, different, and failed."""
+  equal = different = errors = 0
+  for (status, payload), expected in zip(answers, tokens):
+    if status != 200:
+      errors += 1
+    elif payload['token_ids'] == expected:
+      equal += 1
+    else:
+      different += 1
+  return dict(equal=equal, different=different, errors=errors)
+
+
+def decode_throughput(port: int, args: argparse.Namespace) -> Dict[str, Any]:
+  """Tokens per second of one request alone and of every slot busy, the
+  median of --rounds alternating rounds."""
+  prompt = [7] * args.prompt_buckets[0]
+  alone, busy = [], []
+  for _ in range(args.rounds):
+    for rates, requests in ((alone, 1), (busy, args.slots)):
+      answers, seconds = burst(port, [prompt] * requests, args.decode_tokens,
+                               requests)
+      generated = 0
+      for status, payload in answers:
+        if status != 200:
+          raise RuntimeError(f'a throughput request failed: {payload}')
+        generated += len(payload['token_ids'])
+      rates.append(generated / seconds)
+  alone_rate = statistics.median(alone)
+  busy_rate = statistics.median(busy)
+  return dict(alone_tokens_per_s=alone_rate,
+              busy_tokens_per_s=busy_rate,
+              ratio=busy_rate / alone_rate,
+              alone_rounds=alone,
+              busy_rounds=busy)
+
+
+def run_start(args, name: str, cache_dir: str, log_dir: str, prompts,
+              tokens) -> Dict[str, Any]:
+  """One start of the server: its times, its burst, its stats (and on the
+  first start, decode throughput)."""
+  started = Server(args, cache_dir, os.path.join(log_dir, f'{name}.log'))
+  try:
+    answers, seconds = burst(started.port, prompts, args.new_tokens,
+                             args.threads)
+    row = dict(start=name,
+               live_s=started.live_seconds,
+               ready_s=started.ready_seconds,
+               burst_s=seconds,
+               **check_burst(answers, tokens))
+    if name == 'first start':
+      row.update(decode_throughput(started.port, args))
+    stats = started.stats()
+    row.update({key: stats[key] for key in stats if key != 'ready'})
+    return row
+  finally:
+    started.stop()
+
+
+def table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
+  buckets = len(args.prompt_buckets)
+  lines = [
+      f'reference server: buckets {",".join(map(str, args.prompt_buckets))}, '
+      f'{args.slots} slots, cache {args.max_cache_len}; burst of '
+      f'{args.requests} requests from {args.threads} threads, '
+      f'{args.new_tokens} tokens each',
+      '| start | live s | ready s | burst s | tokens = eager | errors | '
+      'programs (P + B) | after ready | dynamo frames | loaded |',
+      '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for row in rows:
+    lines.append(
+        f'| {row["start"]} | {row["live_s"]:.1f} | {row["ready_s"]:.1f} | '
+        f'{row["burst_s"]:.2f} | {row["equal"]} of {args.requests} | '
+        f'{row["errors"]} | {row["programs_compiled"]} ({buckets} + '
+        f'{row["decode_programs"]}) | {row["compiles_after_ready"]} | '
+        f'{row["dynamo_frames"]} | {row["loaded"]} |')
+  first = rows[0]
+  spread = lambda rates: f'{min(rates):.0f}-{max(rates):.0f}'
+  lines.append(
+      f'decode, {args.decode_tokens} tokens a request, median of '
+      f'{args.rounds} rounds: one request {first["alone_tokens_per_s"]:.0f} '
+      f'tokens/s ({spread(first["alone_rounds"])}), {args.slots} slots busy '
+      f'{first["busy_tokens_per_s"]:.0f} tokens/s '
+      f'({spread(first["busy_rounds"])}): {first["ratio"]:.2f}x (goal >= 3x '
+      'with 4 slots)')
+  return '\n'.join(lines)
+
+
+def _buckets(text: str) -> Tuple[int, ...]:
+  return tuple(int(part) for part in text.split(','))
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--demo',
+                      action='store_true',
+                      help='print the short table only')
+  parser.add_argument('--prompt-buckets',
+                      type=_buckets,
+                      default=server.DEFAULT_PROMPT_BUCKETS)
+  parser.add_argument('--slots', type=int, default=server.DEFAULT_SLOTS)
+  parser.add_argument('--max-cache-len',
+                      type=int,
+                      default=server.DEFAULT_MAX_CACHE_LEN)
+  parser.add_argument('--requests', type=int, default=16)
+  parser.add_argument('--threads', type=int, default=4)
+  parser.add_argument('--new-tokens', type=int, default=8)
+  parser.add_argument('--decode-tokens', type=int, default=48)
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--cache-dir',
+                      default=None,
+                      help='an empty directory to use (default: a new '
+                      'temporary one)')
+  args = parser.parse_args()
+  room = args.max_cache_len - args.prompt_buckets[0]
+  if args.decode_tokens > room:
+    parser.error(f'--decode-tokens {args.decode_tokens} does not fit the '
+                 f'cache after a prompt bucket ({room} tokens)')
+  vocab = server.BUILTIN_CONFIG['vocab_size']
+  prompts = mixed_prompts(args.requests, args.prompt_buckets[-1], vocab)
+  # Before any server starts, so that its times are its own.
+  tokens = eager_tokens(prompts, args.new_tokens)
+  started = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix='bench_generation_') as scratch:
+    cache_dir = args.cache_dir or os.path.join(scratch, 'cache')
+    rows = [
+        run_start(args, name, cache_dir, scratch, prompts, tokens)
+        for name in ('first start', 'restart')
+    ]
+  print(table(rows, args))
+  if not args.demo:
+    for row in rows:
+      print(json.dumps(row))
+  print(f'{time.perf_counter() - started:.0f} s in all')
+  failed = any(row['errors'] or row['different'] or row['compiles_after_ready']
+               for row in rows)
+  return 1 if failed else 0
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())
