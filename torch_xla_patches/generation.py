@@ -75,7 +75,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from torch_xla_patches import config
+from torch_xla_patches import config, torch_internals
 from torch_xla_patches.call_spec import CallSpec
 from torch_xla_patches.io_utils import TensorSpec
 
@@ -217,8 +217,8 @@ class _SlotCache:
     # of every call (see [Note: Tensor attributes of a captured graph]) and
     # the fast path binds through their attribute path.
     for layer in self.layers:
-      torch._dynamo.mark_static_address(layer.keys)
-      torch._dynamo.mark_static_address(layer.values)
+      torch_internals.mark_static_address(layer.keys)
+      torch_internals.mark_static_address(layer.values)
     self.max_cache_len = max_cache_len
     self.dtype = dtype
 
@@ -427,8 +427,7 @@ def _compile_count() -> int:
 
 
 def _dynamo_frames() -> int:
-  from torch._dynamo.utils import counters as dynamo_counters
-  return int(dynamo_counters['stats']['unique_graphs'])
+  return torch_internals.dynamo_unique_graphs()
 
 
 class GenerationEngine:

@@ -416,6 +416,20 @@ def graph_loading_fake_mode() -> Any:
   return fake_tensor_mode(shape_env=shape_env())
 
 
+def mark_static_address(tensor: Any) -> None:
+  """Marks `tensor` as torch._dynamo.mark_static_address does (transformers
+  marks a StaticCache's tensors so): dynamo makes it an attribute of the
+  graph rather than an input."""
+  _attribute('torch._dynamo', 'mark_static_address')(tensor)
+
+
+def dynamo_unique_graphs() -> int:
+  """How many graphs dynamo has compiled in this process (its
+  counters['stats']['unique_graphs'])."""
+  counters = _attribute('torch._dynamo.utils', 'counters')
+  return int(counters['stats']['unique_graphs'])
+
+
 def dynamo_config(*flags: str) -> Any:
   """torch._dynamo.config, which apply() sets `flags` on; refuses, naming the
   flag, if one is missing."""
