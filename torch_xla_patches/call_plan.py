@@ -32,6 +32,14 @@ class PlanError(Exception):
 # there, so every fast call checks that each such path still reads the
 # same object (ModulePath), and a call that finds another takes the full
 # path (COUNTER_FALLBACK_MODULE).
+#
+# Items and attributes of the call's arguments (a StaticCache's
+# `cache.layers[0].keys`) need no such check: the call key walks every
+# attribute of an object argument, so a call of a learned key has the
+# same attribute names at every level, and its leaves (the plan's graph
+# arguments) are the tensors found at the same places, in this call's
+# object (see [Note: Objects in a call] in call_spec.py). A swapped cache
+# object of the same sizes is read from; another size is another key.
 _PLAIN_OPCODES = frozenset({
     'RESUME', 'NOP', 'CACHE', 'LOAD_FAST', 'LOAD_CONST', 'STORE_FAST',
     'DELETE_FAST', 'BINARY_SUBSCR', 'COPY', 'SWAP', 'POP_TOP', 'PUSH_NULL',
@@ -72,7 +80,7 @@ def check_captured_code(code: Any) -> CapturedCode:
                    str(instruction.argval).startswith('graph_out')), None)
   if epilogue is None:
     epilogue = len(instructions)
-  module_paths = _module_paths(instructions[:epilogue])
+  module_paths = _module_paths(instructions[:epilogue], _argument_locals(code))
   rest = instructions[epilogue:]
   if _first_unplain(rest) is None:
     return CapturedCode(module_paths=module_paths)
@@ -156,12 +164,24 @@ _PROLOGUE_EFFECTS = {
 }
 
 
-def _module_paths(prologue: Sequence[Any]) -> Tuple[ModulePath, ...]:
+def _argument_locals(code: Any) -> Tuple[str, ...]:
+  """The captured function's parameters that hold the call's arguments (all
+  but the model's)."""
+  count = code.co_argcount + code.co_kwonlyargcount
+  count += bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)
+  return tuple(
+      name for name in code.co_varnames[:count] if name != _MODEL_LOCAL)
+
+
+def _module_paths(prologue: Sequence[Any],
+                  argument_locals: Sequence[str] = ()
+                 ) -> Tuple[ModulePath, ...]:
   """Every ModulePath the code before the graph call reads; raises
   PlanError where it does more than read the graph's arguments (see [Note:
   Captured code the fast path can stand in for])."""
   stack: List[Any] = []
   local_values: Dict[str, Any] = {_MODEL_LOCAL: ()}
+  local_values.update((name, _ARGUMENT) for name in argument_locals)
   paths: Dict[ModulePath, None] = {}
 
   def pop(instruction):
@@ -198,15 +218,20 @@ def _module_paths(prologue: Sequence[Any]) -> Tuple[ModulePath, ...]:
       value = pop(instruction)
       if isinstance(value, tuple):
         stack.append(extend(value, ('attr', argument)))
+      elif value is _ARGUMENT:
+        stack.append(_ARGUMENT)
       elif argument in _PLAIN_ATTRIBUTES:
         stack.append(_OTHER)
       else:
         raise _does_more(instruction)
     elif name == 'BINARY_SUBSCR':
       index, value = pop(instruction), pop(instruction)
-      stack.append(
-          extend(value, (
-              'item', index.value)) if isinstance(index, _Constant) else _OTHER)
+      if value is _ARGUMENT:
+        stack.append(_ARGUMENT)
+      else:
+        stack.append(
+            extend(value, ('item', index.value)) if isinstance(
+                index, _Constant) else _OTHER)
     elif name in ('COPY', 'SWAP'):
       _copy_or_swap(stack, instruction)
     elif name == 'UNPACK_SEQUENCE':
@@ -323,6 +348,10 @@ class SetBackState:
 # An abstract stack value of an epilogue that is neither a constant nor a
 # global path: the graph's outputs, the call's arguments, the result.
 _OTHER = object()
+# An abstract stack value of a prologue read from the call's arguments: the
+# arguments, their items and attributes (see [Note: Captured code the fast
+# path can stand in for]).
+_ARGUMENT = object()
 
 
 @dataclasses.dataclass(frozen=True)
