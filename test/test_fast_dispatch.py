@@ -756,33 +756,46 @@ def test_an_object_argument_takes_the_fast_path_from_its_own_tensors(
   assert 'fast' not in paths.since_last()
 
 
+try:
+  from transformers.utils import ModelOutput
+except ImportError:
+  ModelOutput = None
+
+if ModelOutput is not None:
+
+  @dataclasses.dataclass
+  class Scores(ModelOutput):
+    """A ModelOutput holding an object argument of the call."""
+    logits: torch.Tensor = None
+    store: Any = None
+else:
+  Scores = None
+
+
+class Scoring(torch.nn.Module):
+
+  def __init__(self):
+    super().__init__()
+    self.proj = torch.nn.Linear(WIDTH, WIDTH)
+
+  def forward(self, x, store):
+    return Scores(logits=self.proj(x) + store.state, store=store)
+
+
 def test_a_model_output_the_captured_code_builds_takes_the_fast_path(
     patched_bridge):
   # See [Note: Results the captured code builds] in call_plan.py.
-  transformers = pytest.importorskip('transformers')
-
-  @dataclasses.dataclass
-  class Scores(transformers.utils.ModelOutput):
-    logits: torch.Tensor = None
-    store: Any = None
-
-  class Scoring(torch.nn.Module):
-
-    def __init__(self):
-      super().__init__()
-      self.proj = torch.nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x, store):
-      return Scores(logits=self.proj(x) + store.state, store=store)
-
+  if Scores is None:
+    pytest.skip('transformers is not installed')
   torch.manual_seed(0)
   cpu = Scoring().eval()
   model = Scoring().to(torch_xla.device()).eval()
   model.load_state_dict(cpu.state_dict())
   device = torch_xla.device()
-  served = torch_xla_patches.serve(
-      model,
-      [call_spec.CallSpec(TensorSpec((4, WIDTH), torch.float32), Store(4))])
+  served = torch_xla_patches.serve(model, [
+      call_spec.CallSpec(TensorSpec(
+          (4, WIDTH), torch.float32), Store(4, device))
+  ])
   assert served.calls.disabled_reason is None
   paths = Paths(served)
   for _ in range(3):

@@ -391,7 +391,10 @@ _RESULT_OPCODES = {
 # base's `clear` and `__setitem__` of each item, with values from the
 # graph's outputs, the call's arguments and constants. The fast path stands
 # in for that code when
-#   * the epilogue calls only those (on objects it made itself, with
+#   * the epilogue calls only those, or stores attributes of such an
+#     object (a plain dataclass's fields: the rebuilt result, compared with
+#     the learned one, shows a class whose __setattr__ does more), on
+#     objects it made itself (with
 #     classes read from its globals: `type(made).__mro__[i]`), reads no
 #     attribute of anything but a global, and loops only over a dict it
 #     built;
@@ -546,6 +549,9 @@ def _set_back_paths(
       pop(instruction)
     elif name == 'STORE_ATTR':
       target, value = pop(instruction), pop(instruction)
+      if isinstance(target, _Made) and value is not _NULL:
+        # A field of a result object it made (a plain dataclass).
+        continue
       if not isinstance(target, GlobalPath) or not isinstance(
           value, (GlobalPath, _Constant)):
         raise _does_more(instruction)
