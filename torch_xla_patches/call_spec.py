@@ -28,9 +28,20 @@ the bucket serves, initialized for a decode bucket). The warm-up calls such
 a bucket with a deep copy of the example, never the example itself, so the
 example keeps what its owner left in it. A bucket's layout names the
 object's class and, walking its attributes, each tensor's dtype and rank,
-each int as an int and every other constant by value. A call with such an
-object has no key: the walk does not look into it, so the call takes the
-full path, where dynamo's guards check the object.
+each int as an int and every other constant by value.
+
+A call's key walks such an object as it walks a dict: its class and its
+attribute names (in the order of its __dict__), then each attribute's
+value, so each tensor's shape, dtype, device and requires_grad and each
+constant's value (torch.device and torch.dtype among them) are part of the
+key, and the object and its tensors are leaves in walk order. So two calls
+of one key hold their tensors at the same attribute paths, and what the
+captured code reads through them (`cache.layers[0].keys`) is the leaf at
+the same index: the fast path reads this call's object, and a cache of
+another length is another key. Only attributes in the instance's __dict__
+are walked; an object holding a tensor twice (or one another argument
+holds) has no key, nor has a torch.nn.Module passed as an argument (its
+state is the model's checks' business), as dynamo guards aliasing.
 
 Buckets are described the same way, with TensorSpec for tensors: CallSpec
 holds (args, kwargs) of TensorSpec and constants. Its `layout` is what every

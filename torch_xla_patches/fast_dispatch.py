@@ -223,11 +223,10 @@ class ServedModel:
     # first capture's guards refused; None for keys no capture serves
     # (traced again).
     self._route: Dict[Hashable, Optional[ServedCalls]] = {}
-    # The capture that served the last call without a key, which the next
-    # one tries first: generate()'s one-token steps (a cache object among
-    # their arguments has no key, see [Note: Objects in a call] in
-    # call_spec.py) are one capture's, and the first capture's guards
-    # would otherwise refuse each of them first.
+    # The capture that served the last call without a key (a tensor
+    # passed twice, an argument the key does not know), which the next one
+    # tries first: such calls tend to come in runs of one capture's, and
+    # the first capture's guards would otherwise refuse each of them first.
     self._keyless: Optional[ServedCalls] = None
     # The compile of the buckets, once serve() starts it (see [Note: Ready
     # at once] in serving.py).
