@@ -144,6 +144,13 @@ class ModulePathCheck:
     except (AttributeError, KeyError, IndexError, TypeError):
       return None
 
+  def tensors(self) -> List[torch.Tensor]:
+    """The tensors the paths read when this check was made."""
+    return [
+        value for value in self._values or ()
+        if isinstance(value, torch.Tensor)
+    ]
+
   def unchanged(self) -> bool:
     if not self._paths:
       return True
@@ -608,15 +615,23 @@ class ArgumentPlan:
     return dict(self.user_positions)
 
   @classmethod
-  def of_call(cls, model: torch.nn.Module, user_args: Sequence[Any],
-              graph_args: Sequence[Any],
-              placeholder_values: Sequence[Any]) -> 'ArgumentPlan':
+  def of_call(
+      cls,
+      model: torch.nn.Module,
+      user_args: Sequence[Any],
+      graph_args: Sequence[Any],
+      placeholder_values: Sequence[Any],
+      attribute_tensors: Sequence[torch.Tensor] = ()
+  ) -> 'ArgumentPlan':
     """The plan of a full call that handed the graph `graph_args`; checked
-    against them. Raises PlanError naming the argument it cannot place."""
+    against them. `attribute_tensors`: tensors the captured code read
+    through plain attributes of the model (ModulePath), which each fast
+    call checks, bound as parameters are. Raises PlanError naming the
+    argument it cannot place."""
     user_index = _tensor_index(user_args)
     state = {
-        id(tensor)
-        for tensor in list(model.parameters()) + list(model.buffers())
+        id(tensor) for tensor in list(model.parameters()) +
+        list(model.buffers()) + list(attribute_tensors)
     }
     if len(placeholder_values) != len(graph_args):
       placeholder_values = [None] * len(graph_args)

@@ -618,7 +618,7 @@ class ServedCalls:
         if plan is None:
           plan = call_plan.ArgumentPlan.of_call(
               self._model, leaves, call[0],
-              self._backend.placeholder_values(len(call[0])))
+              self._backend.placeholder_values(len(call[0])), paths.tensors())
           bound_check = call_plan.BoundTensorCheck(
               [t for t in plan.bound if isinstance(t, torch.Tensor)])
         else:
