@@ -398,13 +398,12 @@ _RESULT_OPCODES = {
 # base's `clear` and `__setitem__` of each item, with values from the
 # graph's outputs, the call's arguments and constants. The fast path stands
 # in for that code when
-#   * the epilogue calls only those, or stores attributes of such an
-#     object (a plain dataclass's fields: the rebuilt result, compared with
-#     the learned one, shows a class whose __setattr__ does more), on
-#     objects it made itself (with
-#     classes read from its globals: `type(made).__mro__[i]`), reads no
-#     attribute of anything but a global, and loops only over a dict it
-#     built;
+#   * the epilogue calls only those, on objects it made itself (with
+#     classes read from its globals and `type(made).__mro__[i]`), or
+#     stores attributes of such an object (a plain dataclass's fields: the
+#     rebuilt result, compared with the learned one, shows a class whose
+#     __setattr__ does more); reads no attribute of anything but a global;
+#     and loops only over a dict it built;
 #   * every global it reads (the result's class, `object`, `type`) is the
 #     object the learned call found, checked per call with the state it
 #     sets back (SetBackState); and
@@ -416,7 +415,7 @@ _RESULT_OPCODES = {
 # key fixes (an argument's value, a size): the epilogue reads nothing else.
 # An object the call passed is taken from this call's leaves, never frozen.
 
-# The calls a result's epilogue makes: (what is called) -> abstract result.
+# dynamo's name of the builtins module among the captured code's globals.
 _BUILTINS = '__import_builtins'
 
 

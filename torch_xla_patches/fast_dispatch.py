@@ -5,10 +5,12 @@ A served call (ServedModel) normally goes through the code dynamo
 captured: its guards, then bytecode that reads every parameter of the model
 and calls the compiled graph, then the bridge's per-call key. The fast path
 does the same work from what it learned on an earlier call:
-  * An call_plan.ArgumentPlan, built from one call of the full path: where each graph
-    argument comes from (a user argument, a parameter or buffer of the model,
-    a size of a user argument), checked once against the arguments the full
-    path handed the graph.
+  * A call_plan.ArgumentPlan, built from one call of the full path: where
+    each graph argument comes from (a tensor of the call, in its arguments
+    or their objects' attributes; a parameter or buffer of the model, or a
+    tensor read through a plain attribute of it; a size of a call's tensor;
+    an int the graph was traced for), checked once against the arguments
+    the full path handed the graph.
   * Per call key (the call's structure, each tensor's type, shape, dtype,
     device and requires_grad, each other argument's value: see [Note: Served
     call structure]), the bridge's BoundProgram of that signature (see
@@ -39,8 +41,9 @@ unchanged:
     ModuleWatch generation, bumped by torch's parameter, buffer and submodule
     registration hooks (an assignment or `register_*`), by `train()` /
     `eval()` and by dtype and device conversions (`to`, `half`, ...);
-  * every parameter and buffer the plan binds has the dtype, device, sizes
-    and strides it had (one C++ check of dynamo's tensor guards): a `.data`
+  * every tensor the plan binds has the dtype, device, sizes and strides it
+    had (one C++ call: the native module's metadata, else dynamo's tensor
+    guards): a `.data`
     assignment or `torch.utils.swap_tensors` changes the tensor behind the
     same object without any hook;
   * the global state the captured code sets back, and the globals its
@@ -54,7 +57,9 @@ Costs per call (docs/fast-path.md, "What the fast path checks"): global
 state 0.6 us, modes and hooks 0.2 us, module generation 0.05 us, the key
 0.7 us per tensor argument, bound tensors one C++ call.
 Anything else takes the full path, counted per reason (COUNTER_FALLBACK_*);
-a full call whose guards fail is served by a re-trace (COUNTER_RETRACE). The
+a full call whose guards fail goes to the capture whose guards accept it,
+else a new capture (COUNTER_CAPTURED_AGAIN), else a re-trace
+(COUNTER_RETRACE). The
 fast path is only built for captured code it can stand in for (above).
 What stays unchecked is listed in docs/fast-path.md ("Not checked per
 call"); `config.serve_verify` runs dynamo's guards on every fast call to
