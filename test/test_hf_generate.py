@@ -354,15 +354,13 @@ def test_generate_steps_take_the_fast_path_from_the_cache_they_are_given():
                               config.hidden_size // config.num_attention_heads,
                               torch.float32, device)
   before = served.fast_calls
-  out = longer_tokens = None
   with torch.no_grad():
     out = model.generate(prompts.to(device),
                          attention_mask=torch.ones_like(prompts).to(device),
                          max_new_tokens=NEW_TOKENS,
                          do_sample=False,
                          cache=longer)
-  longer_tokens = out[:, prompts.shape[1]:].cpu().tolist()
-  assert longer_tokens == expected
+  assert out[:, prompts.shape[1]:].cpu().tolist() == expected
   assert met.counter_value('ServeFallbackNewArguments') > 1
   assert served.fast_calls - before < NEW_TOKENS
 
