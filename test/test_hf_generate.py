@@ -318,6 +318,7 @@ def test_padded_prompts_give_eagers_tokens():
     assert met.counter_value('ServeCapturedAgain') == 1
 
 
+@pytest.mark.requires('torch_aot_compile')
 def test_generate_steps_take_the_fast_path_from_the_cache_they_are_given():
   # See [Note: Objects in a call] in call_spec.py and [Note: Results the
   # captured code builds] in call_plan.py: each step's key holds the
@@ -365,6 +366,7 @@ def test_generate_steps_take_the_fast_path_from_the_cache_they_are_given():
   assert served.fast_calls - before < NEW_TOKENS
 
 
+@pytest.mark.requires('torch_aot_compile')
 def test_a_served_model_returns_its_model_output_from_the_fast_path():
   cpu, model = hf_models.build('llama')
   device = torch_xla.device()
