@@ -1,7 +1,9 @@
 """The fast path of served calls: after every change dynamo's guards would
 see, the result equals eager and the counters say which path served it."""
+import dataclasses
 import functools
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -498,8 +500,10 @@ def test_the_plan_is_checked_against_the_full_path():
   x = torch.randn(3, 2)
   stray = torch.randn(2)
   with pytest.raises(call_plan.PlanError,
-                     match='graph argument 1 is a tensor that is neither a '
-                     'call argument nor a parameter or buffer of the model'):
+                     match=r'graph argument 1 is a tensor \(float32\[2\]\) '
+                     r'that is neither a call argument .* nor a parameter or '
+                     r'buffer of the model: .* initialized lazily .*'
+                     r'`cache.early_initialization'):
     call_plan.ArgumentPlan.of_call(model, (x,), (x, stray), [])
   with pytest.raises(call_plan.PlanError,
                      match=r'graph argument 1 \(int\) is not a size of a call '
@@ -660,3 +664,155 @@ def test_a_buffer_read_through_a_plain_attribute_takes_the_fast_path(
   check(served, cpu, torch.randn(4, WIDTH))
   assert paths.since_last()[fast_dispatch.COUNTER_FALLBACK_MODULE] == 1
   check(served, cpu, torch.randn(4, WIDTH))
+
+
+# -- object arguments and the results the captured code builds
+
+
+class Store:
+  """An object argument holding tensors (as a StaticCache holds its
+  layers'): the call key walks its attributes (see [Note: Objects in a call]
+  in call_spec.py)."""
+
+  def __init__(self, rows, device='cpu'):
+    self.state = torch.zeros(rows, WIDTH, device=device)
+    self.rows = rows
+
+
+@dataclasses.dataclass
+class Stepped:
+  """A result the captured code builds: a plain dataclass."""
+  total: torch.Tensor
+  store: Any
+  step: int
+
+
+class Accumulating(torch.nn.Module):
+  """Adds to a store it is passed, in place, and returns a dataclass holding
+  the store and a Python value of the call."""
+
+  def __init__(self, width=WIDTH):
+    super().__init__()
+    self.proj = torch.nn.Linear(width, width)
+
+  def forward(self, x, store, step):
+    store.state.add_(self.proj(x))
+    return Stepped(total=store.state.sum(dim=1), store=store, step=step)
+
+
+def accumulate_as_eager(served, cpu, x, store, cpu_store, step):
+  result = served(xla(x), store, step)
+  with torch.no_grad():
+    expected = cpu(x, cpu_store, step)
+  assert type(result) is Stepped
+  assert result.store is store
+  assert result.step == step
+  torch.testing.assert_close(result.total.cpu(), expected.total)
+  torch.testing.assert_close(store.state.cpu(), cpu_store.state)
+
+
+def test_an_object_argument_takes_the_fast_path_from_its_own_tensors(
+    patched_bridge):
+  torch.manual_seed(0)
+  cpu = Accumulating().eval()
+  model = Accumulating().to(torch_xla.device()).eval()
+  model.load_state_dict(cpu.state_dict())
+  device = torch_xla.device()
+  served = torch_xla_patches.serve(model, [
+      call_spec.CallSpec(TensorSpec(
+          (4, WIDTH), torch.float32), Store(4, device), 1)
+  ])
+  assert served.calls.disabled_reason is None
+  paths = Paths(served)
+  store, cpu_store = Store(4, device), Store(4)
+  for _ in range(3):
+    accumulate_as_eager(served, cpu, torch.randn(4, WIDTH), store, cpu_store, 1)
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_NO_PLAN: 1,
+      'fast': 2
+  }
+  # Another store of the same sizes: the fast path reads and updates it, and
+  # the result holds it, not the store it learned from.
+  other, cpu_other = Store(4, device), Store(4)
+  for _ in range(2):
+    accumulate_as_eager(served, cpu, torch.randn(4, WIDTH), other, cpu_other, 1)
+  assert paths.since_last() == {'fast': 2}
+  accumulate_as_eager(served, cpu, torch.randn(4, WIDTH), store, cpu_store, 1)
+  assert paths.since_last() == {'fast': 1}
+  # A Python value of the call in the result is this call's: another value
+  # is another key, served by the full path once, then fast.
+  for step in (2, 2, 1):
+    accumulate_as_eager(served, cpu, torch.randn(4, WIDTH), store, cpu_store,
+                        step)
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_ARGUMENTS: 1,
+      'fast': 2
+  }
+  # A store of other sizes, or with another int attribute, is not taken by
+  # the fast path: the full path serves it.
+  bigger, cpu_bigger = Store(6, device), Store(6)
+  accumulate_as_eager(served, cpu, torch.randn(6, WIDTH), bigger, cpu_bigger, 1)
+  assert 'fast' not in paths.since_last()
+  store.rows, cpu_store.rows = 5, 5
+  accumulate_as_eager(served, cpu, torch.randn(4, WIDTH), store, cpu_store, 1)
+  assert 'fast' not in paths.since_last()
+
+
+try:
+  from transformers.utils import ModelOutput
+except ImportError:
+  ModelOutput = None
+
+if ModelOutput is not None:
+
+  @dataclasses.dataclass
+  class Scores(ModelOutput):
+    """A ModelOutput holding an object argument of the call."""
+    logits: torch.Tensor = None
+    store: Any = None
+else:
+  Scores = None
+
+
+class Scoring(torch.nn.Module):
+
+  def __init__(self):
+    super().__init__()
+    self.proj = torch.nn.Linear(WIDTH, WIDTH)
+
+  def forward(self, x, store):
+    return Scores(logits=self.proj(x) + store.state, store=store)
+
+
+def test_a_model_output_the_captured_code_builds_takes_the_fast_path(
+    patched_bridge):
+  # See [Note: Results the captured code builds] in call_plan.py.
+  if Scores is None:
+    pytest.skip('transformers is not installed')
+  torch.manual_seed(0)
+  cpu = Scoring().eval()
+  model = Scoring().to(torch_xla.device()).eval()
+  model.load_state_dict(cpu.state_dict())
+  device = torch_xla.device()
+  served = torch_xla_patches.serve(model, [
+      call_spec.CallSpec(TensorSpec(
+          (4, WIDTH), torch.float32), Store(4, device))
+  ])
+  assert served.calls.disabled_reason is None
+  paths = Paths(served)
+  for _ in range(3):
+    x, store = torch.randn(4, WIDTH), Store(4)
+    store.state.normal_()
+    xla_store = Store(4, device)
+    xla_store.state.copy_(store.state)
+    result = served(xla(x), xla_store)
+    with torch.no_grad():
+      expected = cpu(x, store)
+    assert type(result) is Scores
+    assert list(result.keys()) == ['logits', 'store']
+    assert result.store is xla_store and result[1] is xla_store
+    torch.testing.assert_close(result.logits.cpu(), expected.logits)
+  assert paths.since_last() == {
+      fast_dispatch.COUNTER_FALLBACK_NO_PLAN: 1,
+      'fast': 2
+  }

@@ -316,3 +316,73 @@ def test_padded_prompts_give_eagers_tokens():
   assert run(model, device, cache) == expected
   if versions.has_torch_aot_compile():
     assert met.counter_value('ServeCapturedAgain') == 1
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_generate_steps_take_the_fast_path_from_the_cache_they_are_given():
+  # See [Note: Objects in a call] in call_spec.py and [Note: Results the
+  # captured code builds] in call_plan.py: each step's key holds the
+  # cache's layout and sizes, the plan reads its tensors from this call's
+  # cache, and the CausalLMOutputWithPast is built as the captured code
+  # builds it, holding this call's cache.
+  cpu, model = hf_models.build('llama')
+  prompts = PROMPTS[:1]
+  expected = generate(cpu, prompts, static_cache(cpu, 1, 'cpu'))
+  device = torch_xla.device()
+  served = torch_xla_patches.serve(model.forward,
+                                   buckets(static_cache(model, 1, device), 1),
+                                   wait=True)
+  model.forward = served
+  met.clear_counters()
+  cache = static_cache(model, 1, device)
+  # The first prompt and the first one-token step take the full path and
+  # are learned; every other call of the two generations is fast.
+  for _ in range(2):
+    assert generate(model, prompts.to(device), cache) == expected
+  assert served.fast_calls == 2 * NEW_TOKENS - 2
+  assert met.counter_value('ServeFallbackNoPlan') == 1
+  assert met.counter_value('ServeFallbackNewArguments') == 1
+  # Another cache of the same sizes: every step fast, from that cache.
+  other = static_cache(model, 1, device)
+  assert generate(model, prompts.to(device), other) == expected
+  assert served.fast_calls == 3 * NEW_TOKENS - 2
+  assert cache_contents(other)[0][2] == prompts.shape[1] + NEW_TOKENS - 1
+  # A cache of another length is another key: not taken by the fast path
+  # until the full path served it.
+  config = model.config
+  longer = transformers.StaticCache(config=config, max_cache_len=2 * CACHE)
+  longer.early_initialization(1, config.num_key_value_heads,
+                              config.hidden_size // config.num_attention_heads,
+                              torch.float32, device)
+  before = served.fast_calls
+  with torch.no_grad():
+    out = model.generate(prompts.to(device),
+                         attention_mask=torch.ones_like(prompts).to(device),
+                         max_new_tokens=NEW_TOKENS,
+                         do_sample=False,
+                         cache=longer)
+  assert out[:, prompts.shape[1]:].cpu().tolist() == expected
+  assert met.counter_value('ServeFallbackNewArguments') > 1
+  assert served.fast_calls - before < NEW_TOKENS
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_served_model_returns_its_model_output_from_the_fast_path():
+  cpu, model = hf_models.build('llama')
+  device = torch_xla.device()
+  served = torch_xla_patches.serve(
+      model,
+      [CallSpec(input_ids=TensorSpec((2, 4), torch.long), use_cache=False)],
+      wait=True)
+  for _ in range(3):
+    ids = torch.randint(0, 64, (2, 4))
+    out = served(input_ids=ids.to(device), use_cache=False)
+    with torch.no_grad():
+      expected = cpu(input_ids=ids, use_cache=False)
+    assert type(out) is type(expected)
+    assert list(out.keys()) == list(expected.keys())
+    torch.testing.assert_close(out.logits.cpu(),
+                               expected.logits,
+                               rtol=1e-4,
+                               atol=1e-4)
+  assert served.fast_calls == 2

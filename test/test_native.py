@@ -92,7 +92,17 @@ tensor_specs = st.tuples(
 
 
 class Unkeyable:
-  """A leaf the key does not know."""
+  """A leaf the key does not know (no __dict__: no object argument)."""
+  __slots__ = ()
+
+
+class Holder:
+  """An object argument: attributes holding tensors and constants (see
+  [Note: Objects in a call] in call_spec.py)."""
+
+
+class OtherHolder:
+  """An object argument of another class."""
 
 
 constants = st.one_of(st.integers(-3, 3), st.booleans(),
@@ -109,7 +119,12 @@ structures = st.recursive(
         st.lists(children, max_size=3).map(lambda items: ('list', items)),
         st.lists(children, max_size=3).map(lambda items: ('tuple', items)),
         st.dictionaries(st.sampled_from(['k', 'v', 'w']), children, max_size=3).
-        map(lambda items: ('dict', items))),
+        map(lambda items: ('dict', items)),
+        st.tuples(
+            st.sampled_from([Holder, OtherHolder]),
+            st.dictionaries(st.sampled_from(['keys', 'values', 'length']),
+                            children,
+                            max_size=3)).map(lambda item: ('object', item))),
     max_leaves=6)
 calls = st.tuples(
     st.lists(structures, max_size=3),
@@ -134,6 +149,12 @@ def make(structure):
     return Unkeyable()
   if kind == 'dict':
     return {name: make(item) for name, item in content.items()}
+  if kind == 'object':
+    holder_class, attributes = content
+    holder = holder_class()
+    for name, item in attributes.items():
+      setattr(holder, name, make(item))
+    return holder
   items = [make(item) for item in content]
   return tuple(items) if kind == 'tuple' else items
 
@@ -224,6 +245,37 @@ def test_native_keys_tell_apart_what_python_keys_do(native_module):
   assert both_keys((deep,), {}) == (None, None)
   assert both_keys((deep[0][0],), {})[0] is not None
   assert both_keys((cyclic,), {}) == (None, None)
+
+  # An object argument is keyed by its class, its attributes' names and
+  # values; another object of the same layout has the same key, and its
+  # tensors are the leaves.
+
+  def holder(kind=Holder, **attributes):
+    made = kind()
+    made.__dict__.update(attributes)
+    return made
+
+  one = holder(keys=a, length=1, device=a.device, dtype=a.dtype)
+  same = holder(keys=torch.ones(2, 3), length=1, device=a.device, dtype=a.dtype)
+  assert both_keys((one,), {})[0] == both_keys((same,), {})[0]
+  assert call_spec.call_key((same,), {})[1][:2] == [same, same.keys]
+  with python_twin():
+    assert call_spec.call_key((same,), {})[1][:2] == [same, same.keys]
+  others = [
+      holder(keys=torch.ones(3, 2), length=1, device=a.device, dtype=a.dtype),
+      holder(keys=a, length=2, device=a.device, dtype=a.dtype),
+      holder(keys=a, length=1, device=torch.device('cpu', 1), dtype=a.dtype),
+      holder(keys=a, length=1, device=a.device, dtype=torch.int64),
+      holder(OtherHolder, keys=a, length=1, device=a.device, dtype=a.dtype),
+      holder(length=1, keys=a, device=a.device, dtype=a.dtype),
+  ]
+  for other in others:
+    native_other, python_other = both_keys((other,), {})
+    assert native_other != both_keys((one,), {})[0]
+    assert python_other != both_keys((one,), {})[1]
+  # A module, or an object holding a tensor twice, has no key.
+  assert both_keys((torch.nn.Linear(2, 2),), {}) == (None, None)
+  assert both_keys((holder(keys=a, values=a),), {}) == (None, None)
   # Nor has a call with a tensor that has no sizes.
   assert both_keys((a, nested_tensor()), {}) == (None, None)
   assert both_keys((a, {1, 2}), {}) == (None, None)
@@ -332,7 +384,7 @@ def test_a_damaged_library_is_left_and_built_again(fresh_native):
   module = native.helpers()
   assert module is not None, native.unavailable_reason
   a = torch.zeros(2, 3)
-  assert module.call_key((a,), {}, None)[1] == [a]
+  assert module.call_key((a,), {}, None, call_spec._OBJECT_KEYING)[1] == [a]
 
 
 # What the data ledger says of a tensor about to be donated, and whether its

@@ -3,8 +3,10 @@ arguments and outputs (ArgumentPlan, output_map), the check that the
 captured code does nothing else ([Note: Captured code the fast path can
 stand in for]), and the check that the tensors a plan bound are unchanged
 (BoundTensorCheck). fast_dispatch learns and runs plans."""
+import builtins
 import dataclasses
 import dis
+import itertools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -32,6 +34,14 @@ class PlanError(Exception):
 # there, so every fast call checks that each such path still reads the
 # same object (ModulePath), and a call that finds another takes the full
 # path (COUNTER_FALLBACK_MODULE).
+#
+# Items and attributes of the call's arguments (a StaticCache's
+# `cache.layers[0].keys`) need no such check: the call key walks every
+# attribute of an object argument, so a call of a learned key has the
+# same attribute names at every level, and its leaves (the plan's graph
+# arguments) are the tensors found at the same places, in this call's
+# object (see [Note: Objects in a call] in call_spec.py). A swapped cache
+# object of the same sizes is read from; another size is another key.
 _PLAIN_OPCODES = frozenset({
     'RESUME', 'NOP', 'CACHE', 'LOAD_FAST', 'LOAD_CONST', 'STORE_FAST',
     'DELETE_FAST', 'BINARY_SUBSCR', 'COPY', 'SWAP', 'POP_TOP', 'PUSH_NULL',
@@ -56,9 +66,13 @@ class CapturedCode:
     module_paths: the model's attributes, other than parameters, buffers
       and submodules, it reads before the graph (see [Note: Captured code
       the fast path can stand in for]).
+    result_classes: the classes whose objects it builds the result from
+      (see [Note: Results the captured code builds]); also in `set_back`,
+      which holds every global its result and state are made with.
   """
   set_back: Tuple['GlobalPath', ...] = ()
   module_paths: Tuple['ModulePath', ...] = ()
+  result_classes: Tuple['GlobalPath', ...] = ()
 
 
 def check_captured_code(code: Any) -> CapturedCode:
@@ -72,11 +86,14 @@ def check_captured_code(code: Any) -> CapturedCode:
                    str(instruction.argval).startswith('graph_out')), None)
   if epilogue is None:
     epilogue = len(instructions)
-  module_paths = _module_paths(instructions[:epilogue])
+  module_paths = _module_paths(instructions[:epilogue], _argument_locals(code))
   rest = instructions[epilogue:]
   if _first_unplain(rest) is None:
     return CapturedCode(module_paths=module_paths)
-  return CapturedCode(set_back=_set_back_paths(rest), module_paths=module_paths)
+  paths, classes = _set_back_paths(rest)
+  return CapturedCode(set_back=paths,
+                      module_paths=module_paths,
+                      result_classes=classes)
 
 
 def _first_unplain(instructions: Sequence[Any]) -> Optional[Any]:
@@ -127,6 +144,13 @@ class ModulePathCheck:
     except (AttributeError, KeyError, IndexError, TypeError):
       return None
 
+  def tensors(self) -> List[torch.Tensor]:
+    """The tensors the paths read when this check was made."""
+    return [
+        value for value in self._values or ()
+        if isinstance(value, torch.Tensor)
+    ]
+
   def unchanged(self) -> bool:
     if not self._paths:
       return True
@@ -156,12 +180,24 @@ _PROLOGUE_EFFECTS = {
 }
 
 
-def _module_paths(prologue: Sequence[Any]) -> Tuple[ModulePath, ...]:
+def _argument_locals(code: Any) -> Tuple[str, ...]:
+  """The captured function's parameters that hold the call's arguments (all
+  but the model's)."""
+  count = code.co_argcount + code.co_kwonlyargcount
+  count += bool(code.co_flags & 0x04) + bool(code.co_flags & 0x08)
+  return tuple(
+      name for name in code.co_varnames[:count] if name != _MODEL_LOCAL)
+
+
+def _module_paths(
+    prologue: Sequence[Any], argument_locals: Sequence[str] = ()
+) -> Tuple[ModulePath, ...]:
   """Every ModulePath the code before the graph call reads; raises
   PlanError where it does more than read the graph's arguments (see [Note:
   Captured code the fast path can stand in for])."""
   stack: List[Any] = []
   local_values: Dict[str, Any] = {_MODEL_LOCAL: ()}
+  local_values.update((name, _ARGUMENT) for name in argument_locals)
   paths: Dict[ModulePath, None] = {}
 
   def pop(instruction):
@@ -198,15 +234,21 @@ def _module_paths(prologue: Sequence[Any]) -> Tuple[ModulePath, ...]:
       value = pop(instruction)
       if isinstance(value, tuple):
         stack.append(extend(value, ('attr', argument)))
+      elif value is _ARGUMENT:
+        stack.append(_ARGUMENT)
       elif argument in _PLAIN_ATTRIBUTES:
         stack.append(_OTHER)
       else:
         raise _does_more(instruction)
     elif name == 'BINARY_SUBSCR':
       index, value = pop(instruction), pop(instruction)
-      stack.append(
-          extend(value, (
-              'item', index.value)) if isinstance(index, _Constant) else _OTHER)
+      if value is _ARGUMENT:
+        stack.append(_ARGUMENT)
+      else:
+        stack.append(
+            extend(value, (
+                'item',
+                index.value)) if isinstance(index, _Constant) else _OTHER)
     elif name in ('COPY', 'SWAP'):
       _copy_or_swap(stack, instruction)
     elif name == 'UNPACK_SEQUENCE':
@@ -277,7 +319,9 @@ class GlobalPath:
   def value(self, globals_: Dict[str, Any]) -> Any:
     """What the path reads now; raises KeyError or AttributeError when a
     part of it is gone."""
-    value = globals_[self.names[0]]
+    first = self.names[0]
+    # LOAD_GLOBAL falls back to the builtins (`type`).
+    value = globals_[first] if first in globals_ else getattr(builtins, first)
     for name in self.names[1:]:
       value = getattr(value, name)
     return value
@@ -323,6 +367,10 @@ class SetBackState:
 # An abstract stack value of an epilogue that is neither a constant nor a
 # global path: the graph's outputs, the call's arguments, the result.
 _OTHER = object()
+# An abstract stack value of a prologue read from the call's arguments: the
+# arguments, their items and attributes (see [Note: Captured code the fast
+# path can stand in for]).
+_ARGUMENT = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,35 +391,158 @@ _RESULT_OPCODES = {
     'BINARY_SUBSCR': (lambda n: 2, True),
 }
 
+# [Note: Results the captured code builds]
+# dynamo rebuilds a result object the forward made (transformers'
+# ModelOutput, any dataclass) after the graph: `cls.__new__(cls)`, then
+# `object.__setattr__` of each attribute and, for a dict subclass, its
+# base's `clear` and `__setitem__` of each item, with values from the
+# graph's outputs, the call's arguments and constants. The fast path stands
+# in for that code when
+#   * the epilogue calls only those, on objects it made itself (with
+#     classes read from its globals and `type(made).__mro__[i]`), or
+#     stores attributes of such an object (a plain dataclass's fields: the
+#     rebuilt result, compared with the learned one, shows a class whose
+#     __setattr__ does more); reads no attribute of anything but a global;
+#     and loops only over a dict it built;
+#   * every global it reads (the result's class, `object`, `type`) is the
+#     object the learned call found, checked per call with the state it
+#     sets back (SetBackState); and
+#   * the learned call's result, walked, holds only graph outputs, the
+#     call's tensors and object arguments (by identity, so a swapped cache
+#     object is this call's), constants and None, in tuples, lists, dicts
+#     and objects of those classes (output_map).
+# A constant in the result is then one the code holds, or a value the call
+# key fixes (an argument's value, a size): the epilogue reads nothing else.
+# An object the call passed is taken from this call's leaves, never frozen.
 
-def _set_back_paths(epilogue: Sequence[Any]) -> Tuple[GlobalPath, ...]:
-  """Every GlobalPath the epilogue's stores read, write or write into, if
-  it only sets global state from constants and globals (see [Note: Global
-  state the captured code sets back]); raises PlanError otherwise."""
+# dynamo's name of the builtins module among the captured code's globals.
+_BUILTINS = '__import_builtins'
+
+
+@dataclasses.dataclass(frozen=True)
+class _Made:
+  """An object the epilogue made: a result object or a container."""
+  index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _MroEntry:
+  """`type(made).__mro__[i]`, or an attribute of it."""
+  attribute: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _MadeMethod:
+  """A method of an object the epilogue made: `made.items`."""
+  name: str
+
+
+_NULL = object()
+_TYPE_OF_MADE = object()
+_ITEMS = object()
+
+
+def _set_back_paths(
+    epilogue: Sequence[Any]
+) -> Tuple[Tuple[GlobalPath, ...], Tuple[GlobalPath, ...]]:
+  """(every GlobalPath the epilogue reads, writes or writes into, the
+  classes it builds result objects of), if it only sets global state from
+  constants and globals (see [Note: Global state the captured code sets
+  back]) and builds its result as [Note: Results the captured code builds]
+  says; raises PlanError otherwise."""
   stack: List[Any] = []
   local_values: Dict[str, Any] = {}
   paths: Dict[GlobalPath, None] = {}
+  classes: Dict[GlobalPath, None] = {}
+  made = itertools.count()
 
   def pop(instruction):
     if not stack:
       raise _does_more(instruction)
     return stack.pop()
 
+  def call(instruction, function: Any, args: List[Any]) -> Any:
+    """The abstract result of a call the epilogue may make."""
+    made_args = args and isinstance(args[0], _Made)
+    if isinstance(function, GlobalPath):
+      owner = GlobalPath(function.names[:-1])
+      if (function.names[-1] == '__new__' and len(function.names) > 1 and
+          args == [owner]):
+        paths[owner] = None
+        classes[owner] = None
+        return _Made(next(made))
+      if (function.names == (_BUILTINS, 'object', '__setattr__') and
+          len(args) == 3 and made_args and isinstance(args[1], _Constant)):
+        paths[owner] = None
+        return _OTHER
+      if function.names == ('type',) and len(args) == 1 and made_args:
+        paths[function] = None
+        return _TYPE_OF_MADE
+    if (isinstance(function, _MroEntry) and
+        function.attribute in ('clear', '__setitem__') and made_args and
+        len(args) == (1 if function.attribute == 'clear' else 3)):
+      return _OTHER
+    if (isinstance(function, _MadeMethod) and function.name == 'items' and
+        len(args) == 1):
+      return _ITEMS
+    raise _does_more(instruction)
+
   for instruction in epilogue:
     name, argument = instruction.opname, instruction.argval
-    if name in ('RESUME', 'NOP', 'CACHE', 'DELETE_FAST'):
+    if name in ('RESUME', 'NOP', 'CACHE', 'DELETE_FAST', 'PRECALL', 'KW_NAMES'):
       continue
     if name in ('RETURN_VALUE', 'RETURN_CONST'):
       break
     if name == 'LOAD_GLOBAL':
       if instruction.arg & 1:
-        stack.append(_OTHER)  # the NULL before a callable
+        stack.append(_NULL)
       stack.append(GlobalPath((argument,)))
+    elif name == 'PUSH_NULL':
+      stack.append(_NULL)
     elif name == 'LOAD_ATTR':
       value = pop(instruction)
-      stack.append(
-          value.attribute(argument) if isinstance(value, GlobalPath) else _OTHER
-      )
+      if isinstance(value, GlobalPath):
+        stack.append(value.attribute(argument))
+      elif value is _TYPE_OF_MADE and argument == '__mro__':
+        stack.append(_TYPE_OF_MADE)
+      elif argument in _PLAIN_ATTRIBUTES and not isinstance(value, _Made):
+        stack.append(_OTHER)
+      else:
+        raise _does_more(instruction)
+    elif name == 'LOAD_METHOD':
+      value = pop(instruction)
+      if isinstance(value, GlobalPath):
+        stack.extend([_NULL, value.attribute(argument)])
+      elif isinstance(value, _MroEntry) and value.attribute is None:
+        stack.extend([_NULL, _MroEntry(argument)])
+      elif isinstance(value, _Made):
+        stack.extend([_MadeMethod(argument), value])
+      else:
+        raise _does_more(instruction)
+    elif name == 'CALL':
+      args = [pop(instruction) for _ in range(argument)][::-1]
+      second, first = pop(instruction), pop(instruction)
+      if first is _NULL:
+        function = second
+      else:
+        function, args = first, [second] + args
+      stack.append(call(instruction, function, args))
+    elif name == 'GET_ITER':
+      if pop(instruction) is not _ITEMS:
+        raise _does_more(instruction)
+      stack.append(_ITEMS)
+    elif name == 'FOR_ITER':
+      # The loop's body runs on each item; the stack is the same at its
+      # end (JUMP_BACKWARD), where the exhausted iterator is popped.
+      if not stack or stack[-1] is not _ITEMS:
+        raise _does_more(instruction)
+      stack.append(_OTHER)
+    elif name == 'JUMP_BACKWARD':
+      if pop(instruction) is not _ITEMS:
+        raise _does_more(instruction)
+    elif name == 'UNPACK_SEQUENCE':
+      pop(instruction)
+      stack.extend([_OTHER] * argument)
     elif name == 'LOAD_CONST':
       stack.append(_Constant(argument))
     elif name == 'LOAD_FAST':
@@ -384,21 +555,28 @@ def _set_back_paths(epilogue: Sequence[Any]) -> Tuple[GlobalPath, ...]:
       pop(instruction)
     elif name == 'STORE_ATTR':
       target, value = pop(instruction), pop(instruction)
-      if not isinstance(target, GlobalPath) or value is _OTHER:
+      if isinstance(target, _Made) and value is not _NULL:
+        # A field of a result object it made (a plain dataclass).
+        continue
+      if not isinstance(target, GlobalPath) or not isinstance(
+          value, (GlobalPath, _Constant)):
         raise _does_more(instruction)
       paths[target] = None
       paths[target.attribute(argument)] = None
       if isinstance(value, GlobalPath):
         paths[value] = None
+    elif name == 'BINARY_SUBSCR':
+      index, value = pop(instruction), pop(instruction)
+      stack.append(_MroEntry() if value is _TYPE_OF_MADE else _OTHER)
     elif name in _RESULT_OPCODES:
       count, pushes = _RESULT_OPCODES[name]
       for _ in range(count(argument or 0)):
         pop(instruction)
       if pushes:
-        stack.append(_OTHER)
+        stack.append(_Made(next(made)))
     else:
       raise _does_more(instruction)
-  return tuple(paths)
+  return tuple(paths), tuple(classes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,13 +588,14 @@ class ArgumentPlan:
 
   Args:
     bound: the graph arguments that are parameters and buffers of the model,
-      by identity, at their positions; None at the others.
+      by identity, and ints the graph was traced for, at their positions;
+      None at the others.
     user_positions: (graph position, leaf index) of each graph argument that
       is a tensor leaf of the call.
     size_positions: (graph position, leaf index, dim) of each graph argument
       that is a size of a tensor leaf.
   """
-  bound: Tuple[Optional[torch.Tensor], ...]
+  bound: Tuple[Any, ...]
   user_positions: Tuple[Tuple[int, int], ...]
   size_positions: Tuple[Tuple[int, int, int], ...]
 
@@ -435,15 +614,23 @@ class ArgumentPlan:
     return dict(self.user_positions)
 
   @classmethod
-  def of_call(cls, model: torch.nn.Module, user_args: Sequence[Any],
-              graph_args: Sequence[Any],
-              placeholder_values: Sequence[Any]) -> 'ArgumentPlan':
+  def of_call(
+      cls,
+      model: torch.nn.Module,
+      user_args: Sequence[Any],
+      graph_args: Sequence[Any],
+      placeholder_values: Sequence[Any],
+      attribute_tensors: Sequence[torch.Tensor] = ()
+  ) -> 'ArgumentPlan':
     """The plan of a full call that handed the graph `graph_args`; checked
-    against them. Raises PlanError naming the argument it cannot place."""
+    against them. `attribute_tensors`: tensors the captured code read
+    through plain attributes of the model (ModulePath), which each fast
+    call checks, bound as parameters are. Raises PlanError naming the
+    argument it cannot place."""
     user_index = _tensor_index(user_args)
     state = {
-        id(tensor)
-        for tensor in list(model.parameters()) + list(model.buffers())
+        id(tensor) for tensor in list(model.parameters()) +
+        list(model.buffers()) + list(attribute_tensors)
     }
     if len(placeholder_values) != len(graph_args):
       placeholder_values = [None] * len(graph_args)
@@ -464,11 +651,24 @@ class ArgumentPlan:
         elif id(arg) in state:
           bound[position] = arg
         else:
-          raise PlanError(f'graph argument {position} is a tensor that is '
-                          'neither a call argument nor a parameter or buffer '
-                          'of the model')
+          raise PlanError(
+              f'graph argument {position} is a tensor '
+              f'({_describe(arg.dtype, arg.shape)}) that is neither a '
+              'call argument (or a tensor of an object argument) nor a '
+              'parameter or buffer of the model: a tensor made before the '
+              'graph, such as a cache initialized lazily by its first call. '
+              'Make it ahead (a StaticCache: `cache.early_initialization'
+              '(...)`) and pass it, or hold it in the model, and such calls '
+              'take the fast path')
         continue
       value = placeholder_values[position]
+      if type(arg) is int and _traced_for(value) == arg:
+        # An int the graph was traced for (its symbol specialized, such as
+        # transformers' `logits_to_keep=1`): bound as it is. dynamo guards
+        # its source's value, which the call key holds where it is an
+        # argument.
+        bound[position] = arg
+        continue
       if isinstance(arg, int) and isinstance(value, torch.SymInt):
         source = symbol_source.get(str(value.node.expr))
         if source is not None and isinstance(graph_args[source[0]],
@@ -504,42 +704,160 @@ class ArgumentPlan:
                         f'{ours!r}, the full path {theirs!r}')
 
 
+def _traced_for(value: Any) -> Optional[int]:
+  """The int a graph placeholder's value was specialized to, if it was."""
+  if type(value) is int:
+    return value
+  if isinstance(value, torch.SymInt) and value.node.expr.is_number:
+    return int(value.node.expr)
+  return None
+
+
 OutputMap = Callable[[Sequence[Any], Sequence[Any]], Any]
 
 
-def output_map(result: Any, graph_outputs: Sequence[Any],
-               user_args: Sequence[Any]) -> OutputMap:
+def output_map(
+    result: Any,
+    graph_outputs: Sequence[Any],
+    user_args: Sequence[Any],
+    result_classes: Sequence[type] = ()) -> OutputMap:
   """A function (graph outputs, user arguments) -> the user's result, read
-  off one full call whose result was `result`. Raises PlanError for a part
-  of the result that is not a graph output, a user argument or None."""
+  off one full call whose result was `result`, and checked to rebuild it.
+  Objects of `result_classes` in it are built as the captured code builds
+  them (see [Note: Results the captured code builds]). Raises PlanError for
+  a part of the result that is not a graph output, a user argument, a
+  constant or None."""
   output_index = {id(out): i for i, out in enumerate(graph_outputs)}
   if isinstance(result, torch.Tensor) and id(result) in output_index:
     return _bare_output(output_index[id(result)])
-  user_index = _tensor_index(user_args)
+  argument_index = {
+      id(leaf): index
+      for index, leaf in enumerate(user_args)
+      if not isinstance(leaf, _CONSTANTS)
+  }
+  classes = tuple(result_classes)
+  rebuild = _rebuilder(result, output_index, argument_index, classes, 0)
+  try:
+    rebuilt = rebuild(graph_outputs, user_args)
+  except Exception as e:  # pylint: disable=broad-except
+    raise PlanError(f'the result cannot be rebuilt ({e})') from None
+  if not _same_result(rebuilt, result):
+    raise PlanError('the result rebuilt from the graph\'s outputs is not '
+                    'the one the captured code built')
+  return rebuild
+
+
+_CONSTANTS = (bool, int, float, str, type(None))
+_MAX_RESULT_DEPTH = 32
+
+
+def _rebuilder(value: Any, output_index: Dict[int, int],
+               argument_index: Dict[int, int], classes: Tuple[type, ...],
+               depth: int) -> OutputMap:
+  """How `value`, a part of a learned result, is made from a call's graph
+  outputs and leaves."""
+  if depth > _MAX_RESULT_DEPTH:
+    raise PlanError('the result is nested too deep')
+  if isinstance(value, torch.Tensor) and id(value) in output_index:
+    index = output_index[id(value)]
+    return lambda outputs, args: outputs[index]
+  if id(value) in argument_index:
+    # A tensor or object the call passed: this call's, never frozen.
+    index = argument_index[id(value)]
+    return lambda outputs, args: args[index]
+  if type(value) in _CONSTANTS:
+    # Fixed by the code or by the call key (see [Note: Results the
+    # captured code builds]).
+    return lambda outputs, args: value
+
+  def parts(items):
+    return [
+        _rebuilder(item, output_index, argument_index, classes, depth + 1)
+        for item in items
+    ]
+
+  kind = type(value)
+  if kind in (tuple, list):
+    items = parts(value)
+    return lambda outputs, args: kind(item(outputs, args) for item in items)
+  if kind is dict:
+    names, items = tuple(value), parts(value.values())
+    return lambda outputs, args: {
+        name: item(outputs, args) for name, item in zip(names, items)
+    }
+  if kind in classes:
+    return _object_rebuilder(value, parts)
+  # Another container torch's pytree knows (a named tuple, an OrderedDict).
   flatten, unflatten = torch_internals.pytree()
-  leaves, spec = flatten(result)
-  sources = []  # ('output' | 'arg', index) or (None, None)
-  for leaf in leaves:
-    if isinstance(leaf, torch.Tensor) and id(leaf) in output_index:
-      sources.append(('output', output_index[id(leaf)]))
-    elif isinstance(leaf, torch.Tensor) and id(leaf) in user_index:
-      sources.append(('arg', user_index[id(leaf)]))
-    elif leaf is None:
-      sources.append((None, None))
-    else:
-      raise PlanError(f'the result holds a {type(leaf).__name__} that is '
-                      'not a graph output')
-  sources = tuple(sources)
+  leaves, spec = flatten(value)
+  if not (len(leaves) == 1 and leaves[0] is value):
+    items = parts(leaves)
+    return lambda outputs, args: unflatten(
+        [item(outputs, args) for item in items], spec)
+  raise PlanError(f'the result holds a {kind.__name__} that is not a graph '
+                  'output or an argument of the call')
+
+
+def _object_rebuilder(value: Any,
+                      parts: Callable[[Any], List[OutputMap]]) -> OutputMap:
+  """An object of a result class, made as dynamo's code makes it: new,
+  then each attribute and, for a dict, each item, set below any override."""
+  kind = type(value)
+  names = tuple(vars(value))
+  attributes = parts(vars(value).values())
+  base = next(
+      (klass for klass in kind.__mro__
+       if klass.__module__ in ('builtins',
+                               'collections') and issubclass(klass, dict)),
+      None) if isinstance(value, dict) else None
+  keys = tuple(value) if base is not None else ()
+  if any(type(key) not in _CONSTANTS for key in keys):
+    raise PlanError(f'a {kind.__name__} in the result has a key that is '
+                    'not a constant')
+  items = parts(value.values()) if base is not None else []
+  set_attribute = object.__setattr__
 
   def rebuild(outputs: Sequence[Any], args: Sequence[Any]) -> Any:
-    leaves = [
-        None if kind is None else
-        (outputs[index] if kind == 'output' else args[index])
-        for kind, index in sources
-    ]
-    return unflatten(leaves, spec)
+    made = kind.__new__(kind)
+    for name, part in zip(names, attributes):
+      set_attribute(made, name, part(outputs, args))
+    if base is not None:
+      set_item = base.__setitem__
+      for key, part in zip(keys, items):
+        set_item(made, key, part(outputs, args))
+    return made
 
   return rebuild
+
+
+def _same_result(ours: Any, theirs: Any) -> bool:
+  """Whether a rebuilt result is the learned one: the same types and
+  structure, the same objects at the leaves, equal constants."""
+  if type(ours) is not type(theirs):
+    return False
+  if ours is theirs:
+    return True
+  if type(theirs) in _CONSTANTS:
+    return ours == theirs or (ours != ours and theirs != theirs)
+  if isinstance(theirs, torch.Tensor):
+    return False
+  if hasattr(theirs, '__dict__') and type(theirs).__module__ != 'builtins':
+    if list(vars(ours)) != list(vars(theirs)) or not all(
+        _same_result(vars(ours)[k],
+                     vars(theirs)[k]) for k in vars(theirs)):
+      return False
+    if not isinstance(theirs, dict):
+      return True
+    return list(dict.keys(ours)) == list(dict.keys(theirs)) and all(
+        _same_result(dict.__getitem__(ours, k), dict.__getitem__(theirs, k))
+        for k in dict.keys(theirs))
+  flatten, _ = torch_internals.pytree()
+  our_leaves, our_spec = flatten(ours)
+  their_leaves, their_spec = flatten(theirs)
+  if len(their_leaves) == 1 and their_leaves[0] is theirs:
+    return False
+  return our_spec == their_spec and all(
+      _same_result(a, b) for a, b in zip(our_leaves, their_leaves))
 
 
 def _bare_output(index: int) -> OutputMap:

@@ -28,9 +28,20 @@ the bucket serves, initialized for a decode bucket). The warm-up calls such
 a bucket with a deep copy of the example, never the example itself, so the
 example keeps what its owner left in it. A bucket's layout names the
 object's class and, walking its attributes, each tensor's dtype and rank,
-each int as an int and every other constant by value. A call with such an
-object has no key: the walk does not look into it, so the call takes the
-full path, where dynamo's guards check the object.
+each int as an int and every other constant by value.
+
+A call's key walks such an object as it walks a dict: its class and its
+attribute names (in the order of its __dict__), then each attribute's
+value, so each tensor's shape, dtype, device and requires_grad and each
+constant's value (torch.device and torch.dtype among them) are part of the
+key, and the object and its tensors are leaves in walk order. So two calls
+of one key hold their tensors at the same attribute paths, and what the
+captured code reads through them (`cache.layers[0].keys`) is the leaf at
+the same index: the fast path reads this call's object, and a cache of
+another length is another key. Only attributes in the instance's __dict__
+are walked; an object holding a tensor twice (or one another argument
+holds) has no key, nor has a torch.nn.Module passed as an argument (its
+state is the model's checks' business), as dynamo guards aliasing.
 
 Buckets are described the same way, with TensorSpec for tensors: CallSpec
 holds (args, kwargs) of TensorSpec and constants. Its `layout` is what every
@@ -344,7 +355,7 @@ def call_key(
   another form, equal for exactly the same calls."""
   helpers = native.loaded()
   if helpers is not None:
-    return helpers.call_key(args, kwargs, sharding_of)
+    return helpers.call_key(args, kwargs, sharding_of, _OBJECT_KEYING)
   if not kwargs and len(args) == 1:
     # The common case, without a walk.
     (arg,) = args
@@ -407,11 +418,56 @@ def _walk(value: Any,
     parts.append((dict, tuple(value)))
     for item in value.values():
       _walk(item, leaves, parts, sharding_of, depth + 1)
-  elif kind in _CONSTANT_TYPES:
+  elif kind in _CONSTANT_TYPES or kind in _OBJECT_CONSTANT_TYPES:
     leaves.append(value)
     parts.append((kind, value))
+  elif is_keyed_object(kind):
+    # See [Note: Objects in a call].
+    attributes = getattr(value, '__dict__', None)
+    if type(attributes) is not dict:
+      raise _Unkeyable()
+    leaves.append(value)
+    parts.append((kind, tuple(attributes)))
+    for item in tuple(attributes.values()):
+      _walk(item, leaves, parts, sharding_of, depth + 1)
   else:
     raise _Unkeyable()
+
+
+# Constants an object argument holds (a cache's device and dtype): keyed by
+# value, as the other constants are.
+_OBJECT_CONSTANT_TYPES = (torch.device, torch.dtype)
+# type -> whether its instances are keyed as objects (is_object_argument,
+# which depends on the type alone); shared with the native module.
+_keyed_object_types: Dict[type, bool] = {}
+
+
+def is_keyed_object(kind: type) -> bool:
+  """Whether a call's value of type `kind` is an object argument whose
+  attributes the call key walks (see [Note: Objects in a call]): it has a
+  __dict__ and is no tensor, container, constant, class, function, module
+  or torch.nn.Module (whose state the model's own checks cover)."""
+  known = _keyed_object_types.get(kind)
+  if known is None:
+    known = (kind not in _CONSTANT_TYPES and '__dict__' in _slot_names(kind) and
+             not issubclass(kind, (torch.nn.Module, TensorSpec, CallSpec)) and
+             not issubclass(kind, _NOT_OBJECT_TYPES))
+    _keyed_object_types[kind] = known
+  return known
+
+
+_NOT_OBJECT_TYPES = (torch.Tensor, tuple, list, dict, type, types.FunctionType,
+                     types.MethodType, types.BuiltinFunctionType,
+                     types.ModuleType, torch.device, torch.dtype)
+
+# What the native module's call_key needs to key objects as _walk does.
+_OBJECT_KEYING = (_keyed_object_types, is_keyed_object, _OBJECT_CONSTANT_TYPES)
+
+
+def _slot_names(kind: type) -> Set[str]:
+  """The attribute names the instances of `kind` have as a type slot (its
+  MRO's __dict__ entries): '__dict__' where instances have one."""
+  return {name for klass in kind.__mro__ for name in vars(klass)}
 
 
 def spec_of_call(args: Sequence[Any], kwargs: Dict[str, Any]) -> CallSpec:

@@ -5,21 +5,31 @@ A served call (ServedModel) normally goes through the code dynamo
 captured: its guards, then bytecode that reads every parameter of the model
 and calls the compiled graph, then the bridge's per-call key. The fast path
 does the same work from what it learned on an earlier call:
-  * An call_plan.ArgumentPlan, built from one call of the full path: where each graph
-    argument comes from (a user argument, a parameter or buffer of the model,
-    a size of a user argument), checked once against the arguments the full
-    path handed the graph.
+  * A call_plan.ArgumentPlan, built from one call of the full path: where
+    each graph argument comes from (a tensor of the call, in its arguments
+    or their objects' attributes; a parameter or buffer of the model, or a
+    tensor read through a plain attribute of it; a size of a call's tensor;
+    an int the graph was traced for), checked once against the arguments
+    the full path handed the graph.
   * Per call key (the call's structure, each tensor's type, shape, dtype,
     device and requires_grad, each other argument's value: see [Note: Served
     call structure]), the bridge's BoundProgram of that signature (see
     [Note: Bound programs]) and how the user's result is built from the
     graph's outputs. A key is added only after the full path served it, so
     dynamo's guards have accepted those arguments.
-  * Captured code that does more than call the graph (a side effect dynamo
-    replays, such as Hugging Face's context-variable restores, or an object
-    it constructs) gets no fast path: its side effects may depend on values
-    only dynamo's guards check (a counter the forward increments is stored as
-    a constant), so every call takes the full path.
+  * What the captured code does besides calling the graph, where the fast
+    path can stand in for it (see call_plan.check_captured_code): reading
+    graph arguments through plain attributes of the model (ModulePath,
+    checked per call) and through items and attributes of the call's
+    arguments (a cache object: covered by the call key, see [Note: Objects
+    in a call] in call_spec.py); setting back global state transformers
+    sets for a forward's duration (skipped while every global it touches
+    is the object the learned call found); building the result's objects
+    (a ModelOutput, a dataclass: made as the captured code makes them, from
+    this call's outputs and arguments, see [Note: Results the captured code
+    builds] in call_plan.py). Captured code that does anything else (a
+    counter the forward increments, a call of another function) gets no
+    fast path: every call takes the full path.
 A call takes the fast path only while what dynamo's guards protect is known
 unchanged:
   * the global state (autocast, torch-function enablement, default dtype,
@@ -31,19 +41,29 @@ unchanged:
     ModuleWatch generation, bumped by torch's parameter, buffer and submodule
     registration hooks (an assignment or `register_*`), by `train()` /
     `eval()` and by dtype and device conversions (`to`, `half`, ...);
-  * every parameter and buffer the plan binds has the dtype, device, sizes
-    and strides it had (one C++ check of dynamo's tensor guards): a `.data`
+  * every tensor the plan binds has the dtype, device, sizes and strides it
+    had (one C++ call: the native module's metadata, else dynamo's tensor
+    guards): a `.data`
     assignment or `torch.utils.swap_tensors` changes the tensor behind the
     same object without any hook;
-  * the user-argument key (shardings included under SPMD) is one the full
-    path served.
+  * the global state the captured code sets back, and the globals its
+    result is built with (the result's class, `object`, `type`), are the
+    objects the learned call found (a few attribute reads);
+  * every ModulePath still reads the object the plan binds;
+  * the user-argument key (shardings included under SPMD; an object
+    argument's class, attribute names, tensors and constants) is one the
+    full path served.
+Costs per call (docs/fast-path.md, "What the fast path checks"): global
+state 0.6 us, modes and hooks 0.2 us, module generation 0.05 us, the key
+0.7 us per tensor argument, bound tensors one C++ call.
 Anything else takes the full path, counted per reason (COUNTER_FALLBACK_*);
-a full call whose guards fail is served by a re-trace (COUNTER_RETRACE). The
-fast path is only built when the captured code does nothing but read
-arguments, call the graph and build the result from its outputs (no side
-effect to replay). What stays unchecked is listed in the README ("What the
-fast path checks"); `config.serve_verify` runs dynamo's guards on every fast
-call to find such a change.
+a full call whose guards fail goes to the capture whose guards accept it,
+else a new capture (COUNTER_CAPTURED_AGAIN), else a re-trace
+(COUNTER_RETRACE). The
+fast path is only built for captured code it can stand in for (above).
+What stays unchecked is listed in docs/fast-path.md ("Not checked per
+call"); `config.serve_verify` runs dynamo's guards on every fast call to
+find such a change.
 """
 import dataclasses
 import itertools
@@ -208,11 +228,10 @@ class ServedModel:
     # first capture's guards refused; None for keys no capture serves
     # (traced again).
     self._route: Dict[Hashable, Optional[ServedCalls]] = {}
-    # The capture that served the last call without a key, which the next
-    # one tries first: generate()'s one-token steps (a cache object among
-    # their arguments has no key, see [Note: Objects in a call] in
-    # call_spec.py) are one capture's, and the first capture's guards
-    # would otherwise refuse each of them first.
+    # The capture that served the last call without a key (a tensor
+    # passed twice, an argument the key does not know), which the next one
+    # tries first: such calls tend to come in runs of one capture's, and
+    # the first capture's guards would otherwise refuse each of them first.
     self._keyless: Optional[ServedCalls] = None
     # The compile of the buckets, once serve() starts it (see [Note: Ready
     # at once] in serving.py).
@@ -401,6 +420,10 @@ class ServedCalls:
     # through, besides its parameters, buffers and submodules (see [Note:
     # Captured code the fast path can stand in for] in call_plan.py).
     self._module_paths = captured.module_paths
+    # The classes of the objects the captured code builds its result from
+    # (see [Note: Results the captured code builds] in call_plan.py); their
+    # paths are checked per call with the state it sets back.
+    self._result_classes = captured.result_classes
     self._learned = _Learned.NOTHING
     # Watched from the start: a change during the first full call (the
     # warm-up compiles without running, so learns nothing) must be seen.
@@ -600,9 +623,9 @@ class ServedCalls:
         if plan is None:
           plan = call_plan.ArgumentPlan.of_call(
               self._model, leaves, call[0],
-              self._backend.placeholder_values(len(call[0])))
+              self._backend.placeholder_values(len(call[0])), paths.tensors())
           bound_check = call_plan.BoundTensorCheck(
-              [t for t in plan.bound if t is not None])
+              [t for t in plan.bound if isinstance(t, torch.Tensor)])
         else:
           plan.check(leaves, call[0])
         run = self._make_run(plan, leaves, result, call)
@@ -638,7 +661,13 @@ class ServedCalls:
   def _make_run(self, plan: call_plan.ArgumentPlan, leaves: Sequence[Any],
                 result: Any, call: Tuple[tuple, tuple]) -> '_Run':
     graph_args, graph_outputs = call
-    rebuild = call_plan.output_map(result, graph_outputs, leaves)
+    try:
+      classes = [
+          path.value(self._set_back.globals_) for path in self._result_classes
+      ]
+    except (KeyError, AttributeError):
+      raise call_plan.PlanError('a class the result is built from is gone')
+    rebuild = call_plan.output_map(result, graph_outputs, leaves, classes)
     backend = self._backend
 
     def through_bridge(leaves: Sequence[Any]) -> Any:

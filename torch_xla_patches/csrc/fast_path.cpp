@@ -44,6 +44,7 @@ enum Tag : int64_t {
   kDict = 5,
   kConstant = 6,
   kKeywords = 7,
+  kObject = 8,
 };
 
 // Deeper (or cyclic) structures are not keyed: call_spec._MAX_DEPTH.
@@ -57,6 +58,35 @@ PyTypeObject* const kConstantTypes[] = {&PyBool_Type, &PyLong_Type,
 // torch_xla's bindings the ledger needs, set by init().
 PyObject* data_id_fn = nullptr;
 PyObject* tensor_id_fn = nullptr;
+// call_spec's object keying, as call_key() was last given it: type ->
+// whether it is keyed as an object (a dict), the function that decides it for
+// a type not in the dict yet, and the constant types an object may hold
+// (torch.device, torch.dtype). Borrowed: call_spec holds them for good.
+PyObject* keyed_object_types = nullptr;
+PyObject* is_keyed_object_fn = nullptr;
+PyObject* object_constant_types = nullptr;
+
+// 1: instances of `type` are keyed as objects; 0: not; -1: an error is set.
+int is_keyed_object(PyTypeObject* type) {
+  if (keyed_object_types == nullptr || is_keyed_object_fn == nullptr) {
+    return 0;
+  }
+  PyObject* known =
+      PyDict_GetItemWithError(keyed_object_types, (PyObject*)type);
+  if (known == nullptr) {
+    if (PyErr_Occurred()) {
+      return -1;
+    }
+    known = PyObject_CallOneArg(is_keyed_object_fn, (PyObject*)type);
+    if (known == nullptr) {
+      return -1;
+    }
+    int answer = PyObject_IsTrue(known);
+    Py_DECREF(known);
+    return answer;
+  }
+  return PyObject_IsTrue(known);
+}
 
 struct KeyWalk {
   std::vector<int64_t> bytes;
@@ -174,7 +204,61 @@ int walk(KeyWalk& w, PyObject* value, int depth) {
       return 0;
     }
   }
-  return 1;
+  if (object_constant_types != nullptr) {
+    for (Py_ssize_t index = 0; index < PyTuple_GET_SIZE(object_constant_types);
+         ++index) {
+      if ((PyObject*)type == PyTuple_GET_ITEM(object_constant_types, index)) {
+        w.bytes.push_back(kConstant);
+        w.bytes.push_back(5 + index);
+        if (PyList_Append(w.leaves, value) < 0 ||
+            PyList_Append(w.objects, value) < 0) {
+          return -1;
+        }
+        return 0;
+      }
+    }
+  }
+  // An object argument: its class, its attributes' names and values (see
+  // [Note: Objects in a call] in call_spec.py).
+  int keyed = is_keyed_object(type);
+  if (keyed <= 0) {
+    return keyed < 0 ? -1 : 1;
+  }
+  PyObject* attributes = PyObject_GetAttrString(value, "__dict__");
+  if (attributes == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      return -1;
+    }
+    PyErr_Clear();
+    return 1;
+  }
+  if (!PyDict_CheckExact(attributes)) {
+    Py_DECREF(attributes);
+    return 1;
+  }
+  PyObject* names = PyDict_Keys(attributes);
+  PyObject* values = names == nullptr ? nullptr : PyDict_Values(attributes);
+  Py_DECREF(attributes);
+  PyObject* name_tuple = names == nullptr ? nullptr : PyList_AsTuple(names);
+  Py_XDECREF(names);
+  if (values == nullptr || name_tuple == nullptr) {
+    Py_XDECREF(values);
+    Py_XDECREF(name_tuple);
+    return -1;
+  }
+  w.bytes.push_back(kObject);
+  int status = (PyList_Append(w.leaves, value) < 0 ||
+                PyList_Append(w.objects, (PyObject*)type) < 0 ||
+                PyList_Append(w.objects, name_tuple) < 0)
+                   ? -1
+                   : 0;
+  Py_DECREF(name_tuple);
+  // `values` holds the attributes' values while they are walked.
+  for (Py_ssize_t i = 0; status == 0 && i < PyList_GET_SIZE(values); ++i) {
+    status = walk(w, PyList_GET_ITEM(values, i), depth + 1);
+  }
+  Py_DECREF(values);
+  return status;
 }
 
 bool has_repeated_tensor(const std::vector<PyObject*>& tensors) {
@@ -192,13 +276,22 @@ bool has_repeated_tensor(const std::vector<PyObject*>& tensors) {
   return false;
 }
 
-// call_key(args: tuple, kwargs: dict, sharding_of) -> (key | None, leaves)
+// call_key(args: tuple, kwargs: dict, sharding_of, object_keying)
+//     -> (key | None, leaves)
 PyObject* call_key(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
-  if (argc != 3 || !PyTuple_Check(argv[0]) || !PyDict_Check(argv[1])) {
+  if (argc != 4 || !PyTuple_Check(argv[0]) || !PyDict_Check(argv[1]) ||
+      !PyTuple_Check(argv[3]) || PyTuple_GET_SIZE(argv[3]) != 3 ||
+      !PyDict_Check(PyTuple_GET_ITEM(argv[3], 0)) ||
+      !PyTuple_Check(PyTuple_GET_ITEM(argv[3], 2))) {
     PyErr_SetString(PyExc_TypeError,
-                    "call_key(args: tuple, kwargs: dict, sharding_of)");
+                    "call_key(args: tuple, kwargs: dict, sharding_of, "
+                    "(keyed_object_types: dict, is_keyed_object, "
+                    "object_constant_types: tuple))");
     return nullptr;
   }
+  keyed_object_types = PyTuple_GET_ITEM(argv[3], 0);
+  is_keyed_object_fn = PyTuple_GET_ITEM(argv[3], 1);
+  object_constant_types = PyTuple_GET_ITEM(argv[3], 2);
   PyObject* args = argv[0];
   PyObject* kwargs = argv[1];
   KeyWalk w;
