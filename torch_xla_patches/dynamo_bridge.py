@@ -154,14 +154,18 @@ def extract_internal(xla_model: torch.fx.GraphModule):
         refusal = next_refusal
     raise refusal.__cause__ or refusal
 
+  entries = cache.entries
+
   def optimized_mod(*args):
     key = key_of(args)
     synced = ()
-    if key not in cache.entries and not upstream_config.skip_input_data_check:
-      # A new signature: its own inputs are synced before the lock.
+    # Read without the lock, only to tell a new signature, whose own inputs
+    # are synced before it; the look-up under the lock decides.
+    if key not in entries and not upstream_config.skip_input_data_check:
       synced = execution.sync_before_the_lock(checked_tensors(args))
     with execution.execution_lock:
-      execution.note_synced_inputs(synced)
+      if synced:
+        execution.note_synced_inputs(synced)
       if execution.compiling_only():
         # See [Note: Compile-only calls] in execution.py.
         cache.compile_only(key, args)
