@@ -13,7 +13,8 @@ from torch_xla_patches import config, native
 from torch_xla_patches.counters import (
     COUNTER_DONATION_ALIAS, COUNTER_DONATION_COPIED,
     COUNTER_DONATION_COPIED_READ, COUNTER_DONATION_EPILOGUE,
-    COUNTER_DONATION_READERS_SYNCED, COUNTER_DONATION_VIEW, increment_counter)
+    COUNTER_DONATION_READERS_SYNCED, COUNTER_DONATION_SMALL,
+    COUNTER_DONATION_VIEW, increment_counter)
 from torch_xla_patches.execution import (KNOWN_DATA_LIMIT, data_id_of,
                                          device_name, holding_execution_lock,
                                          known_data, note_data, sync_alone)
@@ -188,6 +189,8 @@ def donatable_positions(args: Sequence[Any], positions: Sequence[int],
       increment_counter(COUNTER_DONATION_VIEW, 1)
     elif len(positions_of_data[data_id_of(tensor)]) > 1:
       increment_counter(COUNTER_DONATION_ALIAS, 1)
+    elif tensor.nelement() * tensor.element_size() < config.donate_min_bytes:
+      increment_counter(COUNTER_DONATION_SMALL, 1)
     else:
       donated.append(position)
   return tuple(donated)
