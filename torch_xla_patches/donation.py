@@ -40,7 +40,12 @@ from torch_xla_patches.signature import ArgLayout
 #   * at each call of a donating program, a donated argument that shares its
 #     data with another argument of that call is replaced for the run by a
 #     private copy (counted), and the write-back still goes to the caller's
-#     tensor;
+#     tensor. Only an argument of the donated one's dtype and number of
+#     elements can share its data (a device buffer has one shape): the entry
+#     lists those positions once (donation_peers), and a call reads the data
+#     ids of those alone. A bound program (serve()'s fast path) makes no such
+#     check: a served call whose arguments alias fails its capture's guards
+#     and is captured again, so it answers right;
 #   * anything else that holds the buffer got it by building on the
 #     argument: pending IR that reads it (`cache * 2`), a view, a tensor that
 #     took it with `copy_` (torch_xla shares the device data, it copies
@@ -339,7 +344,7 @@ def prepare_donating_run(entry: 'CompiledGraphEntry',
   for position in entry.donated_positions:
     clear_donor_mark(args[position])
   data_ids = {
-      position: data_id_of(args[position]) for position in entry.input_positions
+      position: data_id_of(args[position]) for position in entry.donation_peers
   }
   readers = collections.Counter(data_ids.values())
   copied = {

@@ -180,6 +180,10 @@ class CompiledGraphEntry:
   # Argument positions whose buffers the program takes over (see [Note:
   # Donating in-place updates] in donation.py).
   donated_positions: Tuple[int, ...] = ()
+  # The input positions whose data a donated argument can share at a call:
+  # those of a donated argument's dtype and number of elements (a device
+  # buffer has one shape), the donated ones among them.
+  donation_peers: Tuple[int, ...] = ()
 
   @functools.cached_property
   def update_split(self) -> 'UpdateSplit':
@@ -550,6 +554,15 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   if not donated:
     return traced
   increment_counter(COUNTER_DONATED, len(donated))
+
+  def size(position: int) -> Tuple[torch.dtype, int]:
+    return args[position].dtype, args[position].nelement()
+
+  sizes = {size(position) for position in donated}
+  peers = tuple(position for position in sorted(
+      p for p in inputs if p is not None) if size(position) in sizes)
   return dataclasses.replace(traced,
                              entry=dataclasses.replace(
-                                 traced.entry, donated_positions=donated))
+                                 traced.entry,
+                                 donated_positions=donated,
+                                 donation_peers=peers))
