@@ -25,10 +25,14 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # not on its own: the first compile of a graph (upstream's
 # xla_backend_helper compiles on the first call and then deletes the graph),
 # the signature cache and its LRU order, the backlog, the usage log. So every
-# call of a compiled graph, from its key to its outputs (look-up, trace, run,
-# usage, backlog), and every warm-up trace hold one process-wide reentrant
-# lock, `execution_lock`: one device runs one program at a time anyway, and
-# the host work under the lock is that of a single-threaded call. The XLA
+# call of a compiled graph, from its look-up to its outputs (look-up, trace,
+# run, usage, backlog), and every warm-up trace hold one process-wide
+# reentrant lock, `execution_lock`. The key comes before the lock, from the
+# call's arguments alone, and so does a look at the entries (a read of a
+# dict another thread may change) that only decides whether a new
+# signature's inputs are synced first. One device runs one program at a
+# time anyway, and the host work under the lock is that of a
+# single-threaded call. The XLA
 # compile of a new signature lets it go where it can (see [Note: Compiles
 # outside the lock] in signature_cache.py), and so does the sync of a new
 # signature's own inputs (sync_before_the_lock), so that calls of compiled
