@@ -32,6 +32,7 @@ def per_call_work(request, monkeypatch):
 DONATION_COUNTERS = (bridge_counters.COUNTER_DONATED,
                      bridge_counters.COUNTER_DONATION_VIEW,
                      bridge_counters.COUNTER_DONATION_ALIAS,
+                     bridge_counters.COUNTER_DONATION_SMALL,
                      bridge_counters.COUNTER_DONATION_COPIED,
                      bridge_counters.COUNTER_DONATION_COPIED_READ,
                      bridge_counters.COUNTER_DONATION_EPILOGUE,
@@ -178,6 +179,56 @@ def test_a_buffer_updated_in_place_is_donated(patched_bridge):
       bridge_counters.COUNTER_DONATED: 2,
       bridge_counters.COUNTER_DONATION_COPIED_READ: 1
   }
+
+
+class StepCounter(torch.nn.Module):
+  """A position advanced in place on every call (an 8-byte buffer, as a
+  StaticCache's cumulative_length) beside a buffer of 32 bytes."""
+
+  def __init__(self):
+    super().__init__()
+    self.proj = torch.nn.Linear(8, 8)
+    self.register_buffer('position', torch.tensor(0))
+    self.register_buffer('total', torch.zeros(8))
+
+  def forward(self, x):
+    y = self.proj(x) + self.position
+    self.position.add_(1)
+    self.total.add_(y.sum(dim=0))
+    return y
+
+
+@pytest.mark.parametrize('min_bytes', [16, 0])
+def test_a_small_update_read_between_calls_is_copied_not_donated(
+    patched_bridge, monkeypatch, min_bytes):
+  monkeypatch.setattr(config, 'donate_min_bytes', min_bytes)
+  cpu, model = cpu_and_xla(StepCounter)
+  compiled = torch.compile(model, backend='openxla', dynamic=True)
+  calls = 4
+  with torch.no_grad():
+    for batch in (2, 3) * (calls // 2):
+      x = torch.randn(batch, 8)
+      torch.testing.assert_close(compiled(xla(x)).cpu(), cpu(x))
+      # The host builds on the position between calls, as generate() does on
+      # a cache's length.
+      assert int(model.position + 1) == int(cpu.position) + 1
+  torch.testing.assert_close(model.total.cpu(), cpu.total)
+  # Two signatures traced. Both buffers came to the device with `to`, read
+  # as read: the first run that donates one takes a private copy of it.
+  if min_bytes:
+    # The position's program writes it anew: nothing to copy when read.
+    assert donation_counters() == {
+        bridge_counters.COUNTER_DONATED: 2,
+        bridge_counters.COUNTER_DONATION_SMALL: 2,
+        bridge_counters.COUNTER_DONATION_COPIED_READ: 1
+    }
+  else:
+    # Donated, the position the host built on since the run before is
+    # copied at each later run.
+    assert donation_counters() == {
+        bridge_counters.COUNTER_DONATED: 4,
+        bridge_counters.COUNTER_DONATION_COPIED_READ: 1 + (calls - 1)
+    }
 
 
 def test_a_model_that_calls_the_donor_op_keeps_working(patched_bridge):

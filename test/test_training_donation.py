@@ -71,6 +71,7 @@ def compiled_step(optimizer_name: str, foreach: bool, device: torch.device):
 DONATION_COUNTERS = (bridge_counters.COUNTER_DONATED,
                      bridge_counters.COUNTER_DONATION_VIEW,
                      bridge_counters.COUNTER_DONATION_ALIAS,
+                     bridge_counters.COUNTER_DONATION_SMALL,
                      bridge_counters.COUNTER_DONATION_FALLBACK,
                      bridge_counters.COUNTER_DONATION_EPILOGUE,
                      bridge_counters.COUNTER_DONATION_COPIED,

@@ -12,6 +12,16 @@ Served fast path]); its floor is its own program's, run the same way, with
 the buckets in rotation as a server's traffic calls them and with one bucket
 called over and over.
 
+The stage split times what dynamo runs above the bridge, piece by piece, for
+both bridges: the whole call, dynamo's transformed code called directly (no
+frame entry, no guards), its guard check alone, dynamo's compiled function
+(AOTAutograd's wrappers around the bridge) and the bridge. The differences
+are each stage's own cost (see docs/fast-path.md).
+
+The last line is the ratio to upstream, the number docs/benchmarks.md keeps
+per commit: (patched torch.compile call - floor) / (upstream's - floor),
+host CPU.
+
   python tools/bench_dispatch.py [--calls 400] [--rounds 7] [--json out.json]
 """
 import argparse
@@ -23,8 +33,13 @@ import statistics
 import sys
 import tempfile
 import time
+import types
+from typing import Any, List, Optional
 
 os.environ.setdefault('PJRT_DEVICE', 'CPU')
+# The package of this checkout, whatever the venv has installed.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
 
 import torch
 import torch_xla
@@ -94,12 +109,13 @@ def make_served(width, depth, batches, device):
   served = torch_xla_patches.serve(
       model, [(TensorSpec((b, width), torch.float32),) for b in batches])
   backend = served.compiled.backend_callable
-  cache = backend.signature_cache
   floor = []
   for batch in batches:
     with backend.observed_calls() as calls:
       served.compiled(torch.randn(batch, width, device=device))
     graph_args = calls[0][0]
+    # The graph's cache exists once the backend's first call has run.
+    cache = backend.signature_cache
     entry = cache.entries[cache.key_of(graph_args)]
     floor.append((entry.graph_hash, entry.graph_input_matcher(graph_args)))
   return served, floor
@@ -152,6 +168,63 @@ def capture_bridge(compiled, batches, device, width):
   return captured
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamoStages:
+  """The pieces of a torch.compile call above the bridge, each callable on
+  its own with the arguments it takes (see the stage split in the module
+  docstring)."""
+  # dynamo's transformed code of forward, as a function, and its arguments
+  # (the module and the input) per batch.
+  transformed_code: Any
+  code_args: List[tuple]
+  # The cache entry's guard check, and dynamo's frame locals per batch.
+  guard_check: Any
+  guard_args: List[tuple]
+  # The compiled function the transformed code calls (AOTAutograd's
+  # callable inside dynamo's disable wrapper), and its arguments per batch.
+  compiled_fn: Any
+  compiled_fn_args: List[tuple]
+
+
+def dynamo_stages(model, compiled, inputs) -> Optional[DynamoStages]:
+  """dynamo's stages of `compiled` (torch.compile of `model`, called on
+  `inputs` already), from its one cache entry for forward; None where this
+  torch keeps them elsewhere."""
+  from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+  forward = type(model).forward
+  try:
+    entries = _debug_get_cache_entry_list(forward.__code__)
+    code, guards = entries[0].code, entries[0].guard_manager
+  except (AttributeError, IndexError):
+    return None
+  names = [n for n in code.co_names if n.startswith('__compiled_fn')]
+  if len(entries) != 1 or len(names) != 1:
+    return None
+  namespace = forward.__globals__
+  compiled_fn = namespace[names[0]]
+  seen = []
+
+  def spy(*args):
+    seen.append(args)
+    return compiled_fn(*args)
+
+  namespace[names[0]] = spy
+  try:
+    for x in inputs:
+      compiled(*x)
+  finally:
+    namespace[names[0]] = compiled_fn
+  guard_args = [({'self': model, 'x': x},) for (x,) in inputs]
+  if not all(guards.check(*a) for a in guard_args):
+    return None
+  return DynamoStages(transformed_code=types.FunctionType(code, namespace),
+                      code_args=[(model, x) for (x,) in inputs],
+                      guard_check=guards.check,
+                      guard_args=guard_args,
+                      compiled_fn=compiled_fn,
+                      compiled_fn_args=seen)
+
+
 def served_full_calls(served) -> int:
   """Calls of `served` that took the full path, by the fallback counters."""
   from torch_xla_patches import fast_dispatch
@@ -193,6 +266,7 @@ def main(argv=None):
         'compiled': compiled,
         'inputs': [(x,) for x in inputs],
         'bridge': captured,
+        'stages': dynamo_stages(model, compiled, [(x,) for x in inputs]),
     }
   served, served_floor_sets = make_served(args.width, args.depth, batches,
                                           device)
@@ -215,6 +289,14 @@ def main(argv=None):
       bridge_sets = [(b, a) for b, a in v['bridge'].values()]
       samples.setdefault(f'{name} bridge only', []).append(
           time_calls(lambda bridge, a: bridge(*a), bridge_sets, args.calls))
+      stages = v['stages']
+      if stages is not None:
+        samples.setdefault(f'{name} transformed code', []).append(
+            time_calls(stages.transformed_code, stages.code_args, args.calls))
+        samples.setdefault(f'{name} guard check', []).append(
+            time_calls(stages.guard_check, stages.guard_args, args.calls))
+        samples.setdefault(f'{name} compiled fn', []).append(
+            time_calls(stages.compiled_fn, stages.compiled_fn_args, args.calls))
     samples.setdefault('floor', []).append(
         time_calls(run_cached_graph, floor_sets, args.calls))
     samples.setdefault('serve() call',
@@ -297,10 +379,68 @@ def main(argv=None):
   print(f'\nserve(): {served.fast_calls} of '
         f'{served.fast_calls + served_full_calls(served)} calls took '
         'the fast path.')
+  split = stage_split(samples)
+  if split:
+    print('\nStage split of a torch.compile call, host CPU us per call '
+          '(medians; each stage is the difference of two timed callables):\n')
+    print('| stage | upstream | patched |')
+    print('|---|---:|---:|')
+    for label, values in split.items():
+      print(f'| {label} | {values["upstream"]:.1f} | {values["patched"]:.1f} |')
+  print(f'\nRatio to upstream: {call_ratio[0]:.2f} (the patched torch.compile '
+        'call\'s host CPU above the floor over upstream\'s, this run)')
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump({'host_us': host, 'wall_us': wall}, f, indent=2)
+      json.dump(
+          {
+              'host_us': host,
+              'wall_us': wall,
+              'ratio_to_upstream': call_ratio[0],
+              'stage_split_host_us': split
+          },
+          f,
+          indent=2)
   return 0
+
+
+def stage_split(samples) -> dict:
+  """{stage: {bridge: host us}} of a torch.compile call, from the timed
+  stages of both bridges; empty where dynamo's stages were not found."""
+  if 'patched transformed code' not in samples:
+    return {}
+
+  def host(key):
+    return statistics.median(t.host_us for t in samples[key])
+
+  split = {}
+  for name in ('upstream', 'patched'):
+    whole = host(f'{name} torch.compile call')
+    code = host(f'{name} transformed code')
+    compiled_fn = host(f'{name} compiled fn')
+    bridge = host(f'{name} bridge only')
+    floor = host('floor')
+    stages = {
+        'dynamo\'s frame entry (OptimizedModule, compile wrapper, eval-frame '
+        'callback, guards)':
+            whole - code,
+        '... of which the guard check':
+            host(f'{name} guard check'),
+        'dynamo\'s transformed code (arguments gathered, sizes read)':
+            code - compiled_fn,
+        'AOTAutograd\'s wrappers and dynamo\'s disable':
+            compiled_fn - bridge,
+        'the bridge':
+            bridge - floor,
+        'floor (_run_cached_graph)':
+            floor,
+        'whole call':
+            whole,
+        'above the floor':
+            whole - floor,
+    }
+    for label, value in stages.items():
+      split.setdefault(label, {})[name] = value
+  return split
 
 
 if __name__ == '__main__':

@@ -47,6 +47,7 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 
 from torch_xla_patches import config, execution
+from torch_xla_patches.counters import increment_counter
 from torch_xla_patches import record as record_lib
 from torch_xla_patches.record import RecordedSignature, ReplayTemplate
 from torch_xla_patches.signature import ArgLayout
@@ -293,7 +294,7 @@ class Backlog:
       if started.error is not None:
         raise started.error
       if started.finish():
-        torch_xla._XLAC._xla_increment_counter(COUNTER_PRECOMPILED, 1)
+        increment_counter(COUNTER_PRECOMPILED, 1)
       else:
         outcome = BacklogOutcome.KNOWN
     except record_lib.RecordError as error:
@@ -318,7 +319,7 @@ class Backlog:
   # -- reporting
 
   def _skip(self, source: str, reason: str) -> None:
-    torch_xla._XLAC._xla_increment_counter(COUNTER_PRECOMPILE_SKIPPED, 1)
+    increment_counter(COUNTER_PRECOMPILE_SKIPPED, 1)
     if self._warned_skip:
       logger.debug('torch_xla_patches: graph %d skipped %s: %s', self.graph_id,
                    source, reason)

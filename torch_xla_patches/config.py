@@ -176,6 +176,19 @@ donate_inplace_updates = _flag('donate_inplace_updates',
                                BOOL,
                                changes_program=True)
 
+# Arguments updated in place of fewer bytes than this are copied by their
+# program, not donated (see [Note: Donating in-place updates] in
+# donation.py): a counter the host reads between calls (a StaticCache's
+# 8-byte cumulative_length, read by generate() at every step) would make
+# every donating run take a private copy of it first, with a blocking sync,
+# to save a copy of a few bytes. 0: donate whatever the size. It decides
+# which programs donate, so it is part of the program.
+donate_min_bytes = _flag('donate_min_bytes',
+                         'XLA_PATCHES_DONATE_MIN_BYTES',
+                         16,
+                         BOUND,
+                         changes_program=True)
+
 # Directory of the signature index (see signature_index.py); None: off.
 cache_dir = _flag('cache_dir',
                   'XLA_PATCHES_CACHE_DIR',

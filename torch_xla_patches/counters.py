@@ -1,7 +1,11 @@
 """The names of the bridge's counters, one place for all of them.
 
-Read them with torch_xla.debug.metrics.counter_value(name); the bridge bumps
-them with `increment_counter`, torch_xla's own counter call.
+Read them with torch_xla.debug.metrics.counter_value(name); the package bumps
+them with `increment_counter`, torch_xla's own counter call, and no other way
+(the bridge's `DynamoExtractCompiledGraph` line keeps upstream's spelling of
+it). In these names "CPU fallback" is an op XLA does not compile, run on the
+CPU; serve()'s counters of calls that took the full path are its own
+(fast_dispatch.py).
 """
 import torch_xla
 
@@ -13,12 +17,14 @@ import torch_xla
 # its first call is a hit: misses count compiles, hits count calls served.
 COUNTER_HIT = 'DynamoSignatureHit'  # a call found its signature's program
 COUNTER_MISS = 'DynamoSignatureMiss'  # a new signature was traced + compiled
-COUNTER_RETRACE = 'DynamoEvictedRetrace'  # XLA evicted a program; re-traced
+# XLA evicted a signature's program; the signature was traced again.
+COUNTER_EVICTED_RETRACE = 'DynamoEvictedRetrace'
 COUNTER_DROPPED = 'DynamoSignatureDropped'  # over the cap, LRU entry dropped
-COUNTER_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'  # graph partitioned
+# A graph partitioned around CPU fallback ops.
+COUNTER_CPU_FALLBACK_PARTITION = 'DynamoCpuFallbackPartition'
 # A graph with CPU fallback ops that updates its inputs before its end, run
 # eagerly instead (see [Note: Graphs that cannot be split] in dynamo_bridge.py).
-COUNTER_FALLBACK_EAGER = 'DynamoCpuFallbackEager'
+COUNTER_CPU_FALLBACK_EAGER = 'DynamoCpuFallbackEager'
 # See [Note: Donating in-place updates] in donation.py: an argument updated in
 # place whose buffer the program takes over (counted once per traced signature),
 # ...
@@ -27,6 +33,8 @@ COUNTER_DONATED = 'DynamoDonatedInput'
 # its data with another argument of the trace, ...
 COUNTER_DONATION_VIEW = 'DynamoDonationSkippedView'
 COUNTER_DONATION_ALIAS = 'DynamoDonationSkippedAlias'
+# ... one smaller than config.donate_min_bytes, ...
+COUNTER_DONATION_SMALL = 'DynamoDonationSkippedSmall'
 # ... one written eagerly after the parts of a graph partitioned around CPU
 # fallback ops (see [Note: Input updates in a partitioned graph] in
 # dynamo_bridge.py), ...

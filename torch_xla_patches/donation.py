@@ -13,7 +13,8 @@ from torch_xla_patches import config, native
 from torch_xla_patches.counters import (
     COUNTER_DONATION_ALIAS, COUNTER_DONATION_COPIED,
     COUNTER_DONATION_COPIED_READ, COUNTER_DONATION_EPILOGUE,
-    COUNTER_DONATION_READERS_SYNCED, COUNTER_DONATION_VIEW, increment_counter)
+    COUNTER_DONATION_READERS_SYNCED, COUNTER_DONATION_SMALL,
+    COUNTER_DONATION_VIEW, increment_counter)
 from torch_xla_patches.execution import (KNOWN_DATA_LIMIT, data_id_of,
                                          device_name, holding_execution_lock,
                                          known_data, note_data, sync_alone)
@@ -39,7 +40,12 @@ from torch_xla_patches.signature import ArgLayout
 #   * at each call of a donating program, a donated argument that shares its
 #     data with another argument of that call is replaced for the run by a
 #     private copy (counted), and the write-back still goes to the caller's
-#     tensor;
+#     tensor. Only an argument of the donated one's dtype and number of
+#     elements can share its data (a device buffer has one shape): the entry
+#     lists those positions once (donation_peers), and a call reads the data
+#     ids of those alone. A bound program (serve()'s fast path) makes no such
+#     check: a served call whose arguments alias fails its capture's guards
+#     and is captured again, so it answers right;
 #   * anything else that holds the buffer got it by building on the
 #     argument: pending IR that reads it (`cache * 2`), a view, a tensor that
 #     took it with `copy_` (torch_xla shares the device data, it copies
@@ -188,6 +194,8 @@ def donatable_positions(args: Sequence[Any], positions: Sequence[int],
       increment_counter(COUNTER_DONATION_VIEW, 1)
     elif len(positions_of_data[data_id_of(tensor)]) > 1:
       increment_counter(COUNTER_DONATION_ALIAS, 1)
+    elif tensor.nelement() * tensor.element_size() < config.donate_min_bytes:
+      increment_counter(COUNTER_DONATION_SMALL, 1)
     else:
       donated.append(position)
   return tuple(donated)
@@ -336,7 +344,7 @@ def prepare_donating_run(entry: 'CompiledGraphEntry',
   for position in entry.donated_positions:
     clear_donor_mark(args[position])
   data_ids = {
-      position: data_id_of(args[position]) for position in entry.input_positions
+      position: data_id_of(args[position]) for position in entry.donation_peers
   }
   readers = collections.Counter(data_ids.values())
   copied = {

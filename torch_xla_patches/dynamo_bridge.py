@@ -32,9 +32,10 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
 from torch_xla._dynamo import config as upstream_config
 from torch_xla_patches import compile_window, tracing
 from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
-                                        COUNTER_FALLBACK_EAGER,
-                                        COUNTER_FALLBACK_PARTITION,
-                                        COUNTER_RETRACE, increment_counter)
+                                        COUNTER_CPU_FALLBACK_EAGER,
+                                        COUNTER_CPU_FALLBACK_PARTITION,
+                                        COUNTER_EVICTED_RETRACE,
+                                        increment_counter)
 from torch_xla_patches.donation import (count_epilogue_updates,
                                         prepare_donating_run, sets_own_donors,
                                         sync_alone_noting_reads)
@@ -144,7 +145,7 @@ def extract_internal(xla_model: torch.fx.GraphModule):
           raise refusal.__cause__ or refusal
         pending = all_tensors(args)
       else:
-        increment_counter(COUNTER_RETRACE, 1)
+        increment_counter(COUNTER_EVICTED_RETRACE, 1)
         entry = cache.trace(key, args)
         pending = ()
       try:
@@ -153,14 +154,18 @@ def extract_internal(xla_model: torch.fx.GraphModule):
         refusal = next_refusal
     raise refusal.__cause__ or refusal
 
+  entries = cache.entries
+
   def optimized_mod(*args):
     key = key_of(args)
     synced = ()
-    if key not in cache.entries and not upstream_config.skip_input_data_check:
-      # A new signature: its own inputs are synced before the lock.
+    # Read without the lock, only to tell a new signature, whose own inputs
+    # are synced before it; the look-up under the lock decides.
+    if key not in entries and not upstream_config.skip_input_data_check:
       synced = execution.sync_before_the_lock(checked_tensors(args))
     with execution.execution_lock:
-      execution.note_synced_inputs(synced)
+      if synced:
+        execution.note_synced_inputs(synced)
       if execution.compiling_only():
         # See [Note: Compile-only calls] in execution.py.
         cache.compile_only(key, args)
@@ -409,7 +414,7 @@ def partition_fx_graph_for_cpu_fallback(
   if fused_parts:
     # Counted only when some part runs on XLA: a graph on CPU tensors alone
     # is not an XLA graph at all.
-    increment_counter(COUNTER_FALLBACK_PARTITION, 1)
+    increment_counter(COUNTER_CPU_FALLBACK_PARTITION, 1)
   return partitioned_graph
 
 
@@ -504,9 +509,9 @@ def _look_ahead(xla_model: torch.fx.GraphModule,
 # that updates a tensor in place before its end (an input its look-ahead
 # run updated, or a node that updates in place, `_updates_in_place`) is
 # therefore not split: it runs eagerly, node by node on lazy tensors, as
-# the model would without torch.compile (counted as COUNTER_FALLBACK_EAGER;
-# logged once per graph). Its answers are right; it compiles one XLA program
-# per call. A compile-only call (see [Note: Compile-only calls] in
+# the model would without torch.compile (counted as
+# COUNTER_CPU_FALLBACK_EAGER; logged once per graph). Its answers are right;
+# it compiles one XLA program per call. A compile-only call (see [Note: Compile-only calls] in
 # execution.py) stops before running it: nothing of it is compiled ahead.
 
 
@@ -563,7 +568,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   if unsupported_nodes and (look_ahead.updates_inputs_before_end or any(
       _updates_in_place(node) for node in xla_model.graph.nodes)):
     # See [Note: Graphs that cannot be split].
-    increment_counter(COUNTER_FALLBACK_EAGER, 1)
+    increment_counter(COUNTER_CPU_FALLBACK_EAGER, 1)
     logger.warning(
         'torch_xla_patches: a graph with nodes XLA does not compile (%s) '
         'updates tensors in place before its end; it runs eagerly, without '

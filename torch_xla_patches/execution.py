@@ -8,7 +8,8 @@ evicted program), told apart by their message text, into RefusedBeforeRun.
 import contextlib
 import functools
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
+                    Tuple)
 
 import torch
 import torch_xla
@@ -24,10 +25,14 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # not on its own: the first compile of a graph (upstream's
 # xla_backend_helper compiles on the first call and then deletes the graph),
 # the signature cache and its LRU order, the backlog, the usage log. So every
-# call of a compiled graph, from its key to its outputs (look-up, trace, run,
-# usage, backlog), and every warm-up trace hold one process-wide reentrant
-# lock, `execution_lock`: one device runs one program at a time anyway, and
-# the host work under the lock is that of a single-threaded call. The XLA
+# call of a compiled graph, from its look-up to its outputs (look-up, trace,
+# run, usage, backlog), and every warm-up trace hold one process-wide
+# reentrant lock, `execution_lock`. The key comes before the lock, from the
+# call's arguments alone, and so does a look at the entries (a read of a
+# dict another thread may change) that only decides whether a new
+# signature's inputs are synced first. One device runs one program at a
+# time anyway, and the host work under the lock is that of a
+# single-threaded call. The XLA
 # compile of a new signature lets it go where it can (see [Note: Compiles
 # outside the lock] in signature_cache.py), and so does the sync of a new
 # signature's own inputs (sync_before_the_lock), so that calls of compiled
@@ -77,7 +82,16 @@ def execution_lock_released() -> Iterator[None]:
 # graph after a graph break, whose arguments only the run of the graph
 # before it would make, compiles at the first real call that reaches it.
 # The state is per thread: other threads' calls run as usual meanwhile.
-_compile_only = threading.local()
+
+
+class _CompileOnlyState(threading.local):
+  """This thread's compile_only() block: the list of its compiles, None
+  outside one (a class default, so a thread that never entered one reads
+  None without an exception: every call of a compiled graph asks)."""
+  compiles: Optional[List[Any]] = None
+
+
+_compile_only = _CompileOnlyState()
 
 
 class CompiledNotRun(Exception):
@@ -91,7 +105,7 @@ def compile_only() -> Iterator[List[Any]]:
   """Within the block, this thread's calls of compiled graphs compile and
   stop (see [Note: Compile-only calls]); yields the list of the futures of
   the compiles those calls started or found in flight, in order."""
-  before = getattr(_compile_only, 'compiles', None)
+  before = _compile_only.compiles
   compiles: List[Any] = []
   _compile_only.compiles = compiles
   try:
@@ -102,13 +116,13 @@ def compile_only() -> Iterator[List[Any]]:
 
 def compiling_only() -> bool:
   """Whether this thread's calls of compiled graphs compile and stop."""
-  return getattr(_compile_only, 'compiles', None) is not None
+  return _compile_only.compiles is not None
 
 
 def note_compile(future: Any) -> None:
   """Tells this thread's compile_only() block of a compile its call started
   or found in flight."""
-  compiles = getattr(_compile_only, 'compiles', None)
+  compiles = _compile_only.compiles
   if compiles is not None and not any(f is future for f in compiles):
     compiles.append(future)
 

@@ -55,14 +55,12 @@ def run_entry(entry: CompiledGraphEntry, pending: Sequence[torch.Tensor],
 def write_back(entry: CompiledGraphEntry, results: List[torch.Tensor],
                argument: Callable[[int],
                                   torch.Tensor], drop_update_log: bool) -> None:
-  """The arguments the program updates in place take their results."""
-  donated = entry.donated_positions
-  takers, taken = [], []
-  for position, result_index in entry.output_plan.inplace_updates:
-    if position in donated:
-      takers.append(argument(position))
-      taken.append(results[result_index])
-    else:
-      argument(position).copy_(results[result_index])
-  if takers:
-    take_results(takers, taken, drop_update_log)
+  """The arguments the program updates in place take their results: the
+  copied ones first, then the donated ones, in one take_results."""
+  split = entry.update_split
+  for position, result_index in split.copied:
+    argument(position).copy_(results[result_index])
+  if split.taken:
+    take_results([argument(position) for position, _ in split.taken],
+                 [results[result_index] for _, result_index in split.taken],
+                 drop_update_log)

@@ -152,6 +152,16 @@ class OutputPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class UpdateSplit:
+  """A compiled entry's in-place updates, as (argument position, result
+  index), by how a run writes them back."""
+  # Donated arguments, which take their result's data over.
+  taken: Tuple[Tuple[int, int], ...]
+  # Any other, which copies its result.
+  copied: Tuple[Tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class CompiledGraphEntry:
   """Everything needed to run one shape signature of a graph.
 
@@ -170,6 +180,19 @@ class CompiledGraphEntry:
   # Argument positions whose buffers the program takes over (see [Note:
   # Donating in-place updates] in donation.py).
   donated_positions: Tuple[int, ...] = ()
+  # The input positions whose data a donated argument can share at a call:
+  # those of a donated argument's dtype and number of elements (a device
+  # buffer has one shape), the donated ones among them.
+  donation_peers: Tuple[int, ...] = ()
+
+  @functools.cached_property
+  def update_split(self) -> 'UpdateSplit':
+    """The in-place updates split by how a run writes them back (see
+    write_back in program_run.py): fixed per entry, so split once."""
+    donated = set(self.donated_positions)
+    updates = self.output_plan.inplace_updates
+    return UpdateSplit(taken=tuple(u for u in updates if u[0] in donated),
+                       copied=tuple(u for u in updates if u[0] not in donated))
 
   @functools.cached_property
   def input_positions(self) -> Tuple[int, ...]:
@@ -531,6 +554,15 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   if not donated:
     return traced
   increment_counter(COUNTER_DONATED, len(donated))
+
+  def size(position: int) -> Tuple[torch.dtype, int]:
+    return args[position].dtype, args[position].nelement()
+
+  sizes = {size(position) for position in donated}
+  peers = tuple(position for position in sorted(
+      p for p in inputs if p is not None) if size(position) in sizes)
   return dataclasses.replace(traced,
                              entry=dataclasses.replace(
-                                 traced.entry, donated_positions=donated))
+                                 traced.entry,
+                                 donated_positions=donated,
+                                 donation_peers=peers))
