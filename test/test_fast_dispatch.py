@@ -422,6 +422,22 @@ def test_captured_side_effects_keep_the_full_path(patched_bridge, caplog):
   }
 
 
+def test_a_python_whose_bytecode_is_not_read_keeps_the_full_path(
+    patched_bridge, monkeypatch):
+  # See [Note: Captured code the fast path can stand in for]: 3.10's and
+  # 3.13's calls lay out the stack otherwise, so their code is not read.
+  monkeypatch.setattr(call_plan, '_READ_PYTHONS', ())
+  torch.manual_seed(0)
+  model = Net().to(torch_xla.device()).eval()
+  served = torch_xla_patches.serve(model, [(TensorSpec(
+      (4, WIDTH), torch.float32),)])
+  assert 'is not read (only )' in served.calls.disabled_reason
+  x = xla(torch.randn(4, WIDTH))
+  for _ in range(2):
+    torch.testing.assert_close(served(x).cpu(), model(x).detach().cpu())
+  assert served.fast_calls == 0
+
+
 def test_random_ops_draw_a_seed_per_call(patched_bridge):
   torch.manual_seed(0)
   model = Noisy().to(torch_xla.device())

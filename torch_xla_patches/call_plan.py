@@ -7,6 +7,7 @@ import builtins
 import dataclasses
 import dis
 import itertools
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -26,7 +27,9 @@ class PlanError(Exception):
 # call's arguments, sizes through dynamo's call_size), calls the graph and
 # builds the result from its outputs and the arguments. Anything else (a
 # setattr dynamo replays, a global read, a constructor call, an attribute
-# of a call's argument) is a reason for no plan. Python 3.11's opcodes.
+# of a call's argument) is a reason for no plan. The code is read with
+# Python 3.11's and 3.12's opcodes; under another Python (3.10 and 3.13
+# lay out a call's stack otherwise) nothing is read and there is no plan.
 #
 # An attribute of the model other than a parameter, buffer or submodule (a
 # StaticCache the module holds: `module.static_cache.layers[0].keys`) is no
@@ -42,6 +45,13 @@ class PlanError(Exception):
 # arguments) are the tensors found at the same places, in this call's
 # object (see [Note: Objects in a call] in call_spec.py). A swapped cache
 # object of the same sizes is read from; another size is another key.
+
+# The Pythons whose bytecode the plans read (see [Note: Captured code the
+# fast path can stand in for]).
+_READ_PYTHONS = ((3, 11), (3, 12))
+# Python 3.12 folds LOAD_METHOD into LOAD_ATTR (the low bit of its
+# argument) and ends a for loop with END_FOR; 3.11 has neither.
+_METHODS_IN_LOAD_ATTR = sys.version_info >= (3, 12)
 _PLAIN_OPCODES = frozenset({
     'RESUME', 'NOP', 'CACHE', 'LOAD_FAST', 'LOAD_CONST', 'STORE_FAST',
     'DELETE_FAST', 'BINARY_SUBSCR', 'COPY', 'SWAP', 'POP_TOP', 'PUSH_NULL',
@@ -79,6 +89,11 @@ def check_captured_code(code: Any) -> CapturedCode:
   """What the fast path must find unchanged to stand in for `code`. Raises
   PlanError naming the first instruction it cannot stand in for (see [Note:
   Captured code the fast path can stand in for])."""
+  if sys.version_info[:2] not in _READ_PYTHONS:
+    raise PlanError(
+        f'the captured code of Python '
+        f'{sys.version_info[0]}.{sys.version_info[1]} is not '
+        f'read (only {", ".join("%d.%d" % v for v in _READ_PYTHONS)})')
   instructions = list(dis.get_instructions(code))
   epilogue = next((index + 1
                    for index, instruction in enumerate(instructions)
@@ -499,7 +514,8 @@ def _set_back_paths(
       stack.append(GlobalPath((argument,)))
     elif name == 'PUSH_NULL':
       stack.append(_NULL)
-    elif name == 'LOAD_ATTR':
+    elif name == 'LOAD_ATTR' and not (_METHODS_IN_LOAD_ATTR and
+                                      instruction.arg & 1):
       value = pop(instruction)
       if isinstance(value, GlobalPath):
         stack.append(value.attribute(argument))
@@ -509,7 +525,7 @@ def _set_back_paths(
         stack.append(_OTHER)
       else:
         raise _does_more(instruction)
-    elif name == 'LOAD_METHOD':
+    elif name in ('LOAD_METHOD', 'LOAD_ATTR'):
       value = pop(instruction)
       if isinstance(value, GlobalPath):
         stack.extend([_NULL, value.attribute(argument)])
@@ -540,6 +556,9 @@ def _set_back_paths(
     elif name == 'JUMP_BACKWARD':
       if pop(instruction) is not _ITEMS:
         raise _does_more(instruction)
+    elif name == 'END_FOR' and _METHODS_IN_LOAD_ATTR:
+      # Where the exhausted loop goes; JUMP_BACKWARD popped its iterator.
+      continue
     elif name == 'UNPACK_SEQUENCE':
       pop(instruction)
       stack.extend([_OTHER] * argument)
