@@ -36,5 +36,8 @@ setup(
         ],
         # Benchmark charts (tools/bench_warmup.py).
         'tools': ['matplotlib'],
+        # The reference server's built-in model (python -m
+        # torch_xla_patches.server); the package itself needs no transformers.
+        'server': ['transformers>=5,<6'],
     },
 )

@@ -81,7 +81,12 @@ def builtin_model(seed: int = BUILTIN_SEED) -> torch.nn.Module:
   """The built-in causal LM on the CPU, in eval mode: the same weights for
   the same seed in every process (the server moves it to the XLA device; a
   test or tool computes eager tokens with its own copy)."""
-  import transformers
+  try:
+    import transformers
+  except ImportError as e:
+    raise RuntimeError(
+        'the built-in model needs transformers: pip install '
+        "'torch_xla_patches[server]'") from e
   config = transformers.AutoConfig.for_model(BUILTIN_MODEL_TYPE,
                                              **BUILTIN_CONFIG)
   torch.manual_seed(seed)
