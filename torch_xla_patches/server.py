@@ -84,9 +84,8 @@ def builtin_model(seed: int = BUILTIN_SEED) -> torch.nn.Module:
   try:
     import transformers
   except ImportError as e:
-    raise RuntimeError(
-        'the built-in model needs transformers: pip install '
-        "'torch_xla_patches[server]'") from e
+    raise RuntimeError('the built-in model needs transformers: pip install '
+                       "'torch_xla_patches[server]'") from e
   config = transformers.AutoConfig.for_model(BUILTIN_MODEL_TYPE,
                                              **BUILTIN_CONFIG)
   torch.manual_seed(seed)
