@@ -30,7 +30,7 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
                                              get_fallback_ops)
 
 from torch_xla._dynamo import config as upstream_config
-from torch_xla_patches import compile_window, tracing
+from torch_xla_patches import compile_window, io_utils, tracing
 from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         COUNTER_FALLBACK_EAGER,
                                         COUNTER_FALLBACK_PARTITION,
@@ -227,13 +227,51 @@ class _FallbackCounterWatch:
     return names
 
 
+class _NeedsValues(Exception):
+  """A look-ahead on placeholders met an op that would read values (see
+  [Note: Look-ahead on placeholders])."""
+
+
+# Ops whose XLA kernels read their inputs' values on the host.
+_VALUE_READING_OPS = frozenset(
+    ('aten::_local_scalar_dense', 'aten::equal', 'aten::is_nonzero',
+     'aten::nonzero', 'aten::masked_select', 'aten::unique_dim',
+     'aten::_unique2', 'aten::unique_consecutive'))
+
+
+def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
+                                                               Any]) -> bool:
+  """Whether the aten op `func` on these arguments would run an XLA
+  program on its inputs: a CPU fallback (no XLA kernel, no backend-free
+  one), a kernel that reads values, or a copy off the device."""
+  schema = getattr(func, '_schema', None)
+  if schema is None:
+    return False
+  name = schema.name
+  if name in _VALUE_READING_OPS:
+    return True
+  if name in ('aten::_to_copy', 'aten::to', 'aten::copy_'):
+    device = kwargs.get('device')
+    return device is not None and torch.device(device).type != 'xla'
+  overload = f'{name}.{schema.overload_name}' if schema.overload_name else name
+  has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+  return not any(
+      has_kernel(overload, key)
+      for key in ('XLA', 'CompositeExplicitAutograd',
+                  'CompositeExplicitAutogradNonFunctional',
+                  'CompositeImplicitAutograd'))
+
+
 class _OpsOfThisThread(TorchDispatchMode):
   """Names each aten op this thread runs while the mode is on (see [Note:
-  Fallback ops of this thread])."""
+  Fallback ops of this thread]); with `placeholders`, raises _NeedsValues
+  before an op that would read values (see [Note: Look-ahead on
+  placeholders])."""
 
-  def __init__(self):
+  def __init__(self, placeholders: bool = False):
     super().__init__()
     self.names: Set[str] = set()
+    self.placeholders = placeholders
 
   def __enter__(self):
     _push_mode(self)
@@ -246,6 +284,8 @@ class _OpsOfThisThread(TorchDispatchMode):
     schema = getattr(func, '_schema', None)
     if schema is not None:
       self.names.add(schema.name)
+    if self.placeholders and _reads_values(func, args, kwargs or {}):
+      raise _NeedsValues(schema.name)
     return func(*args, **(kwargs or {}))
 
 
@@ -266,11 +306,11 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
   user-visible counters survive the first call.
   """
 
-  def __init__(self, module: torch.fx.GraphModule):
+  def __init__(self, module: torch.fx.GraphModule, placeholders: bool = False):
     super().__init__(module)
     self._unsupported_nodes: List[torch.fx.Node] = []
     self._watch = _FallbackCounterWatch()
-    self._ops = _OpsOfThisThread()
+    self._ops = _OpsOfThisThread(placeholders)
     # Whether a node updated an input in place (the `copy_` updates at the
     # graph's end are not run; see [Note: Input updates in a partitioned
     # graph]).
@@ -488,9 +528,25 @@ def _look_ahead(xla_model: torch.fx.GraphModule,
   """Runs `xla_model` on `xla_args` node by node, leaving the arguments as
   they were; the collector tells what the run found."""
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
-  collector = UnsupportedNodesCollector(xla_model)
-  with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
-    collector.run(*xla_args)
+  placeholders = any(io_utils.is_placeholder(t) for t in tensor_args)
+  collector = UnsupportedNodesCollector(xla_model, placeholders)
+  try:
+    with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
+      collector.run(*xla_args)
+  except _NeedsValues:
+    # [Note: Look-ahead on placeholders]
+    # The look-ahead runs the graph node by node, and a CPU fallback op or
+    # a kernel that reads values runs a program on its inputs, which would
+    # crash on a placeholder (see [Note: Placeholder tensors] in
+    # io_utils.py). On placeholders, such an op stops the look-ahead before
+    # it runs, and the look-ahead starts again on zeros of the placeholders'
+    # sizes, made for it alone: only a graph that has such an op pays that
+    # memory, once.
+    xla_args = [
+        io_utils.zeros_on_device(a.shape, a.dtype, a.device)
+        if io_utils.is_placeholder(a) else a for a in xla_args
+    ]
+    return _look_ahead(xla_model, xla_args)
   return collector
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import stat
 import tempfile
+import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -46,6 +47,66 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
     return torch.zeros(shape, dtype=dtype).to(device)
   import torch_xla
   tensor = torch.zeros(shape, dtype=dtype, device=device)
+  torch_xla._XLAC._xla_sync_multi([tensor],
+                                  devices=[],
+                                  wait=True,
+                                  sync_xla_data=True)
+  return tensor
+
+
+# [Note: Placeholder tensors]
+# A trace needs its arguments' sizes, dtypes and shardings, never their
+# values: what a warm-up traces with is made by `placeholder()`, device data
+# with a shape and no buffer (torch_xla's placeholder tensor), so a bucket's
+# KV cache costs no device memory. Lazy tracing, graph hashes and XLA
+# compiles (`_xla_warm_up_cache`) read only the shape of such data. Running
+# a program that reads it crashes the process (torch_xla does not check), so
+# whatever holds a placeholder's IR must never be run: the trace's restore
+# gives a placeholder a fresh one instead of syncing it (ArgumentsRestore in
+# tracing.py), and a warm-up keeps the graphs it leaves pending for the
+# compile pool out of every sync of the device (see [Note: Syncs wait for
+# placeholder graphs] in warmup.py). A placeholder cannot be sharded
+# (`mark_sharding` copies the tensor's data), so a sharded TensorSpec is
+# zeros made on the device already split (`sharded_zeros`): one copy over
+# the mesh, never a replicated one.
+_placeholders: Dict[int, Any] = {}
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+  """A tensor of `shape` and `dtype` on the XLA device that holds no
+  buffer (see [Note: Placeholder tensors])."""
+  import torch_xla.core.xla_builder as xb
+  tensor = xb.create_placeholder_tensor(tuple(int(s) for s in shape), dtype)
+  key = id(tensor)
+  _placeholders[key] = weakref.ref(tensor,
+                                   lambda _: _placeholders.pop(key, None))
+  return tensor
+
+
+def is_placeholder(tensor: Any) -> bool:
+  """Whether `tensor` was made by placeholder() (its data may since have
+  been replaced by another placeholder's, never by a buffer)."""
+  ref = _placeholders.get(id(tensor))
+  return ref is not None and ref() is tensor
+
+
+def reset_placeholder(tensor: torch.Tensor) -> None:
+  """Gives a placeholder the data of a fresh one: whatever IR a trace left
+  on it is dropped, and nothing runs."""
+  import torch_xla
+  import torch_xla.core.xla_builder as xb
+  fresh = xb.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
+  torch_xla._XLAC._replace_xla_tensor(tensor, fresh)
+
+
+def sharded_zeros(shape: Sequence[int], dtype: torch.dtype,
+                  sharding: 'Sharding', device: Any) -> torch.Tensor:
+  """Zeros on `device` split as `sharding` says, as device data: the
+  sharding is set on the zeros' IR before the sync, so the sync makes each
+  shard on its device and no device ever holds the whole tensor."""
+  import torch_xla
+  tensor = torch.zeros(tuple(shape), dtype=dtype, device=device)
+  sharding.apply(tensor)
   torch_xla._XLAC._xla_sync_multi([tensor],
                                   devices=[],
                                   wait=True,
@@ -134,6 +195,20 @@ class TensorSpec:
     if self.sharding is not None:
       self.sharding.apply(tensor)
     return tensor
+
+  def for_trace(self, device: Any) -> torch.Tensor:
+    """A tensor of this spec for a trace that runs nothing (see [Note:
+    Placeholder tensors]): a placeholder, or, sharded, zeros made split."""
+    if torch.device(device).type != 'xla':
+      return self.materialize(device)
+    if self.sharding is not None:
+      return sharded_zeros(self.shape, self.dtype, self.sharding, device)
+    import torch_xla.runtime as xr
+    if xr.is_spmd():
+      # A donating run on a mesh syncs the device's pending IR (see [Note:
+      # Threads] in execution.py), which would run a placeholder's graph.
+      return self.materialize(device)
+    return placeholder(self.shape, self.dtype)
 
   def describe(self) -> str:
     sharding = self.sharding.describe() if self.sharding is not None else ''
