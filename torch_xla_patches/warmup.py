@@ -68,17 +68,128 @@ class _Progress:
         item.description, item.seconds, item.compile_seconds, eta)
 
 
+class PlaceholderTraces:
+  """Compile-only calls on placeholders, and the syncs of the device that
+  wait for them.
+
+  [Note: Syncs wait for placeholder graphs]
+  A warm-up call traces on placeholders (see [Note: Placeholder tensors] in
+  io_utils.py) and leaves the graph it traced pending on the tensors the
+  compile pool compiles from, until that compile is done. A sync of every
+  live tensor of the device (torch_xla.sync(), xm.mark_step(), on any
+  thread) would run that graph, and running a placeholder crashes the
+  process. So, from the first placeholder trace on, torch_xla's step marker
+  (`_XLAC._xla_step_marker`, which both call) is wrapped: a sync waits
+  until no placeholder call is in flight, and holds the others off while it
+  runs. A call is in flight from the making of its placeholders until its
+  compiles are done; a sync that waits keeps new ones from starting, so it
+  waits for the compiles of the calls traced before it (a warm-up traces
+  ahead of the pool, as a request of a queued bucket moves its compile to
+  the front). Nothing in flight, the wrapper costs a lock and a check. A
+  sync inside a placeholder call's trace raises instead of waiting for
+  itself. A placeholder call begins holding no
+  lock of the bridge, and a sync holds none while it waits, so neither
+  waits for the other while holding what the other needs. Under SPMD no
+  placeholder is made (io_utils), and nothing here waits.
+  """
+
+  def __init__(self):
+    self._condition = threading.Condition()
+    self._in_flight = 0
+    self._syncs = 0
+    self._syncing = 0
+    self._installed = False
+    # Whether this thread is in a placeholder call's trace.
+    self._tracing = threading.local()
+
+  def begin(self) -> None:
+    """A placeholder call starts on this thread: waits while a sync waits
+    or runs."""
+    self._install()
+    with self._condition:
+      self._condition.wait_for(lambda: not self._syncs and not self._syncing)
+      self._in_flight += 1
+    self._tracing.on = True
+
+  def traced(self) -> None:
+    """This thread's placeholder call has handed its graphs over (they stay
+    in flight until end())."""
+    self._tracing.on = False
+
+  def end(self) -> None:
+    with self._condition:
+      self._in_flight -= 1
+      self._condition.notify_all()
+
+  def end_when_done(self, compiles: Sequence[Any]) -> None:
+    """Ends a call once `compiles` (its futures) are done."""
+    pending = [f for f in compiles if not f.done()]
+    if not pending:
+      self.end()
+      return
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done(_):
+      with lock:
+        left[0] -= 1
+        last = left[0] == 0
+      if last:
+        self.end()
+
+    for future in pending:
+      future.add_done_callback(one_done)
+
+  def syncs_waiting(self) -> int:
+    """How many syncs wait for placeholder calls in flight."""
+    with self._condition:
+      return self._syncs
+
+  def _install(self) -> None:
+    if self._installed:
+      return
+    with self._condition:
+      if self._installed:
+        return
+      step_marker = torch_xla._XLAC._xla_step_marker
+
+      def waiting_step_marker(*args, **kwargs):
+        if getattr(self._tracing, 'on', False):
+          raise RuntimeError(
+              'torch_xla_patches: a sync of the device inside a warm-up call '
+              'would run the placeholders it traces with (see [Note: Syncs '
+              'wait for placeholder graphs] in warmup.py); a warm-up call '
+              'cannot sync')
+        with self._condition:
+          self._syncs += 1
+          self._condition.wait_for(lambda: not self._in_flight)
+          self._syncs -= 1
+          self._syncing += 1
+        try:
+          return step_marker(*args, **kwargs)
+        finally:
+          with self._condition:
+            self._syncing -= 1
+            self._condition.notify_all()
+
+      torch_xla._XLAC._xla_step_marker = waiting_step_marker
+      self._installed = True
+
+
+placeholder_traces = PlaceholderTraces()
+
+
 def _materialize(spec: Any, device,
                  pool: Dict[Any, torch.Tensor]) -> Tuple[tuple, Dict[str, Any]]:
   """(args, kwargs) of one entry of precompile's specs; CallSpec tensors are
   shared between entries through `pool` (see CallSpec.materialize)."""
   if isinstance(spec, CallSpec):
-    return spec.materialize(device, pool)
+    return spec.materialize(device, pool, for_trace=True)
   items = spec if isinstance(spec, (tuple, list)) else (spec,)
   args = []
   for item in items:
     if isinstance(item, TensorSpec):
-      args.append(item.materialize(device))
+      args.append(item.for_trace(device))
     elif isinstance(item, torch.Tensor):
       args.append(item.to(device))
     else:
@@ -117,11 +228,11 @@ def precompile(
   pool = tensor_pool if tensor_pool is not None else {}
   started = []
   for spec in specs:
-    args, kwargs = _materialize(spec, device, pool)
     start = time.perf_counter()
-    compiles = compile_without_running(compiled_fn, args, kwargs)
+    args, kwargs, compiles = _start_placeholder_call(compiled_fn, spec, device,
+                                                     pool)
     started.append((_describe(args, kwargs), start, compiles))
-    # The compiles hold the device data their graphs read, not the tensors.
+    # The compiles hold the graphs they compile, not the tensors.
     del args, kwargs
   report = []
   reported: Set[int] = set()
@@ -129,6 +240,25 @@ def precompile(
     report.append(_finished(description, start, compiles, reported))
     bar.step(report[-1])
   return report
+
+
+def _start_placeholder_call(
+    compiled_fn: Callable, spec: Any, device: Any,
+    pool: Dict[Any, torch.Tensor]) -> Tuple[tuple, Dict[str, Any], List[Any]]:
+  """(args, kwargs, compiles) of one warm-up call of `spec` on placeholders,
+  in flight until its compiles are done (see [Note: Syncs wait for
+  placeholder graphs])."""
+  placeholder_traces.begin()
+  try:
+    args, kwargs = _materialize(spec, device, pool)
+    compiles = compile_without_running(compiled_fn, args, kwargs)
+  except BaseException:
+    placeholder_traces.end()
+    raise
+  finally:
+    placeholder_traces.traced()
+  placeholder_traces.end_when_done(compiles)
+  return args, kwargs, compiles
 
 
 def compile_without_running(compiled_fn: Callable, args: Sequence[Any],
@@ -182,6 +312,67 @@ class Readiness:
     return self.ready + len(self.failed) == self.total
 
 
+class CaptureGate:
+  """When a first start's warm-up may make the captures its buckets need.
+
+  [Note: Captures after the first request]
+  On a first start, serve() captures the model on one bucket; a bucket the
+  captures made so far refuse (a one-token decode step beside a prompt, see
+  [Note: One capture per guard set] in serving.py) needs a capture of its
+  own, which is seconds of dynamo on the host and holds the bridge's lock.
+  Made in front of the first request, it would delay that request by as
+  much. So the warm-up first compiles the buckets some capture accepts, in
+  order, then waits at this gate before the others, which opens once the
+  first request made of the served model is answered (whatever it was, a
+  raise included), once something waits for every bucket
+  (served.wait_ready(), serve(wait=True)) or the warm-up stops, or, with no
+  request in flight, config.serve_capture_delay seconds after the warm-up
+  reached the gate. A first request thus waits for its own capture and
+  compile alone: a request needing a capture no bucket made yet makes it
+  itself, and the warm-up then finds it made. A restart loads every capture
+  (serve() checks that they accept every bucket), so nothing waits here.
+  The served model tells the gate of its first request (ServedModel's
+  first_request), once; the warm-up's own calls are not requests.
+  """
+
+  def __init__(self):
+    self._condition = threading.Condition()
+    self._open = False
+    self._requests = 0
+
+  @property
+  def is_open(self) -> bool:
+    return self._open
+
+  def request_started(self) -> None:
+    with self._condition:
+      self._requests += 1
+
+  def request_answered(self) -> None:
+    with self._condition:
+      self._requests -= 1
+      self._open = True
+      self._condition.notify_all()
+
+  def open(self) -> None:
+    with self._condition:
+      self._open = True
+      self._condition.notify_all()
+
+  def wait(self, delay: float) -> None:
+    """Returns once open, or once `delay` seconds have passed with no
+    request in flight."""
+    deadline = time.monotonic() + delay
+    with self._condition:
+      while not self._open:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          if not self._requests:
+            return
+          remaining = None
+        self._condition.wait(remaining)
+
+
 class BackgroundWarmUp:
   """Compiles a served model's buckets on a daemon thread, without running
   them (see [Note: Compile-only calls] in execution.py), and tells how far
@@ -193,15 +384,27 @@ class BackgroundWarmUp:
     tensor_pool: tensors the buckets may reuse (see CallSpec.materialize).
     then: called on the warm-up thread once every bucket is compiled or
       has failed (serve() saves its artifact there).
+    needs_capture: whether the call (args, kwargs) of a bucket needs a
+      capture no capture made so far accepts; such buckets are compiled
+      after the others, once `gate` opens (see [Note: Captures after the
+      first request]). None: every bucket in order.
   """
 
-  def __init__(self, call: Callable[..., Any], specs: Sequence[CallSpec],
+  def __init__(self,
+               call: Callable[..., Any],
+               specs: Sequence[CallSpec],
                tensor_pool: Optional[Dict[Any, torch.Tensor]],
-               then: Optional[Callable[[], None]]):
+               then: Optional[Callable[[], None]],
+               needs_capture: Optional[Callable[[tuple, Dict[str, Any]],
+                                                bool]] = None):
     self._call = call
     self._specs = list(specs)
     self._tensor_pool = tensor_pool
     self._then = then
+    self._needs_capture = needs_capture
+    self.gate = CaptureGate()
+    # The compiles counted for a bucket (see _finished).
+    self._reported: Set[int] = set()
     self._condition = threading.Condition()
     self._ready = 0
     self._failed: List[str] = []
@@ -224,7 +427,9 @@ class BackgroundWarmUp:
 
   def wait(self, timeout: Optional[float] = None) -> bool:
     """Waits until every bucket is compiled or has failed and `then` has
-    run, or `timeout` seconds; returns whether every bucket is compiled."""
+    run, or `timeout` seconds; returns whether every bucket is compiled.
+    Opens the gate of the buckets that need a capture of their own."""
+    self.gate.open()
     with self._condition:
       self._condition.wait_for(lambda: self._over or self._stopped, timeout)
       return self._ready == len(self._specs)
@@ -235,14 +440,20 @@ class BackgroundWarmUp:
     with self._condition:
       self._stopped = True
       self._condition.notify_all()
+    self.gate.open()
     if threading.current_thread() is not self._thread:
       self._thread.join()
 
   def _run(self) -> None:
     try:
-      started = self._start_compiles()
+      deferred = self._deferred()
+      self._finish_compiles(
+          self._start_compiles(
+              [i for i in range(len(self._specs)) if i not in deferred]))
+      if deferred and not self._stopped:
+        self.gate.wait(config.serve_capture_delay)
+        self._finish_compiles(self._start_compiles(deferred))
       self._tensor_pool = None
-      self._finish_compiles(started)
       if self._then is not None and not self._stopped:
         self._then()
     finally:
@@ -252,30 +463,61 @@ class BackgroundWarmUp:
         self._over = True
         self._condition.notify_all()
 
-  def _start_compiles(self) -> List[Tuple[int, str, float, List[Any]]]:
-    """Traces each bucket on this thread; its compile goes to the pool."""
+  def _start_compiles(
+      self, indices: Sequence[int]) -> List[Tuple[int, str, float, List[Any]]]:
+    """Traces each of these buckets on this thread; its compile goes to the
+    pool."""
     device = torch_xla.device()
-    pool = self._tensor_pool if self._tensor_pool is not None else {}
-    started = []
-    for index, spec in enumerate(self._specs):
+    started: List[Tuple[int, str, float, List[Any]]] = []
+    for index in indices:
       if self._stopped:
         break
-      description = _describe_spec(spec)
-      start = time.perf_counter()
-      try:
-        args, kwargs = _materialize(spec, device, pool)
-        compiles = compile_without_running(self._call, args, kwargs)
-        del args, kwargs
-      except Exception as error:  # pylint: disable=broad-except
-        self._fail(index, description, error)
-        continue
-      started.append((index, description, start, compiles))
+      self._start(index, self._specs[index], device, self._pool(), started)
     return started
+
+  def _pool(self) -> Dict[Any, torch.Tensor]:
+    if self._tensor_pool is None:
+      self._tensor_pool = {}
+    return self._tensor_pool
+
+  def _deferred(self) -> List[int]:
+    """The buckets that need a capture of their own (see [Note: Captures
+    after the first request])."""
+    device = torch_xla.device()
+    return [
+        index for index, spec in enumerate(self._specs)
+        if self._needs_a_capture(spec, device, self._pool())
+    ]
+
+  def _needs_a_capture(self, spec: Any, device: Any,
+                       pool: Dict[Any, torch.Tensor]) -> bool:
+    if self._needs_capture is None or self.gate.is_open:
+      return False
+    try:
+      args, kwargs = _materialize(spec, device, pool)
+      return self._needs_capture(args, kwargs)
+    except Exception:  # pylint: disable=broad-except
+      # Its compile-only call says what is wrong, in order.
+      return False
+
+  def _start(self, index: int, spec: Any, device: Any, pool: Dict[Any,
+                                                                  torch.Tensor],
+             started: List[Tuple[int, str, float, List[Any]]]) -> None:
+    description = _describe_spec(spec)
+    start = time.perf_counter()
+    try:
+      args, kwargs, compiles = _start_placeholder_call(self._call, spec, device,
+                                                       pool)
+      del args, kwargs
+    except Exception as error:  # pylint: disable=broad-except
+      self._fail(index, description, error)
+      return
+    started.append((index, description, start, compiles))
 
   def _finish_compiles(
       self, started: List[Tuple[int, str, float, List[Any]]]) -> None:
     """Waits for each bucket's compiles, in order, and counts it ready."""
-    reported: Set[int] = set()
+    reported = self._reported
     for index, description, start, compiles in started:
       while not self._stopped:
         _, waiting = concurrent.futures.wait(compiles, timeout=0.1)
