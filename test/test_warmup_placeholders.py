@@ -114,10 +114,10 @@ def test_a_sync_on_another_thread_waits_for_a_placeholder_compile(monkeypatch):
     syncing.start()
     # Polled until the sync waits (a bound, not a wait that decides).
     deadline = time.monotonic() + 120
-    while (warmup.placeholder_traces.syncs_waiting() == 0 and
+    while (io_utils.placeholder_traces.syncs_waiting() == 0 and
            time.monotonic() < deadline):
       time.sleep(0.01)
-    assert warmup.placeholder_traces.syncs_waiting() == 1
+    assert io_utils.placeholder_traces.syncs_waiting() == 1
     assert synced == []
   finally:
     release.set()

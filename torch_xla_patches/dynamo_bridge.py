@@ -309,6 +309,8 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
   def __init__(self, module: torch.fx.GraphModule, placeholders: bool = False):
     super().__init__(module)
     self._unsupported_nodes: List[torch.fx.Node] = []
+    # The arguments the look-ahead ran on (see _look_ahead).
+    self.arguments: Sequence[Any] = ()
     self._watch = _FallbackCounterWatch()
     self._ops = _OpsOfThisThread(placeholders)
     # Whether a node updated an input in place (the `copy_` updates at the
@@ -526,7 +528,8 @@ def _run_last(graph: torch.fx.Graph, names: Sequence[str]) -> None:
 def _look_ahead(xla_model: torch.fx.GraphModule,
                 xla_args: Sequence[Any]) -> UnsupportedNodesCollector:
   """Runs `xla_model` on `xla_args` node by node, leaving the arguments as
-  they were; the collector tells what the run found."""
+  they were; the collector tells what the run found, and the arguments it
+  ran on (its `arguments`), which the graph's partition runs on too."""
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
   placeholders = any(io_utils.is_placeholder(t) for t in tensor_args)
   collector = UnsupportedNodesCollector(xla_model, placeholders)
@@ -540,13 +543,15 @@ def _look_ahead(xla_model: torch.fx.GraphModule,
     # crash on a placeholder (see [Note: Placeholder tensors] in
     # io_utils.py). On placeholders, such an op stops the look-ahead before
     # it runs, and the look-ahead starts again on zeros of the placeholders'
-    # sizes, made for it alone: only a graph that has such an op pays that
-    # memory, once.
+    # sizes, made for it alone, which the partition around such ops then
+    # runs on too (the parts' example inputs): only a graph that has such an
+    # op pays that memory.
     xla_args = [
         io_utils.zeros_on_device(a.shape, a.dtype, a.device)
         if io_utils.is_placeholder(a) else a for a in xla_args
     ]
     return _look_ahead(xla_model, xla_args)
+  collector.arguments = xla_args
   return collector
 
 
@@ -615,6 +620,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   XLAConstructorMoverPass()(xla_model.graph)
 
   look_ahead = _look_ahead(xla_model, xla_args)
+  xla_args = look_ahead.arguments
   unsupported_nodes = look_ahead.get_unsupported_nodes()
   if unsupported_nodes and (look_ahead.updates_inputs_before_end or any(
       _updates_in_place(node) for node in xla_model.graph.nodes)):

@@ -270,6 +270,14 @@ class ServedModel:
         return served[0].retrace(args, kwargs)
     return calls.call(args, kwargs, key, leaves)
 
+  def capture_for(self, args: tuple, kwargs: Dict[str, Any]) -> None:
+    """Makes the capture whose guards accept the call (args, kwargs), if
+    none made so far does (see [Note: One capture per guard set] in
+    serving.py); a warm-up makes it before its compile-only call of the
+    bucket, so that the capture is not part of that call."""
+    if self._served and self._accepting(args, kwargs, None) is None:
+      self._captured_for(args, kwargs)
+
   def compile_only_call(self, *args, **kwargs):
     """A warm-up's call (see [Note: Compile-only calls] in execution.py):
     the full path, whose bridge compiles and stops, never the fast path,

@@ -214,8 +214,12 @@ def _compile_buckets(served: ServedModel,
   needs_capture = None
   if served.calls is not None:
     needs_capture = functools.partial(_needs_capture, served)
-  served.warm_up = warmup.BackgroundWarmUp(served.compile_only_call, buckets,
-                                           tensor_pool, then, needs_capture)
+  served.warm_up = warmup.BackgroundWarmUp(served.compile_only_call,
+                                           buckets,
+                                           tensor_pool,
+                                           then,
+                                           needs_capture,
+                                           capture=served.capture_for)
   # See [Note: Captures after the first request] in warmup.py.
   served.first_request = served.warm_up.gate
   if wait and not served.warm_up.wait():

@@ -68,117 +68,6 @@ class _Progress:
         item.description, item.seconds, item.compile_seconds, eta)
 
 
-class PlaceholderTraces:
-  """Compile-only calls on placeholders, and the syncs of the device that
-  wait for them.
-
-  [Note: Syncs wait for placeholder graphs]
-  A warm-up call traces on placeholders (see [Note: Placeholder tensors] in
-  io_utils.py) and leaves the graph it traced pending on the tensors the
-  compile pool compiles from, until that compile is done. A sync of every
-  live tensor of the device (torch_xla.sync(), xm.mark_step(), on any
-  thread) would run that graph, and running a placeholder crashes the
-  process. So, from the first placeholder trace on, torch_xla's step marker
-  (`_XLAC._xla_step_marker`, which both call) is wrapped: a sync waits
-  until no placeholder call is in flight, and holds the others off while it
-  runs. A call is in flight from the making of its placeholders until its
-  compiles are done; a sync that waits keeps new ones from starting, so it
-  waits for the compiles of the calls traced before it (a warm-up traces
-  ahead of the pool, as a request of a queued bucket moves its compile to
-  the front). Nothing in flight, the wrapper costs a lock and a check. A
-  sync inside a placeholder call's trace raises instead of waiting for
-  itself. A placeholder call begins holding no
-  lock of the bridge, and a sync holds none while it waits, so neither
-  waits for the other while holding what the other needs. Under SPMD no
-  placeholder is made (io_utils), and nothing here waits.
-  """
-
-  def __init__(self):
-    self._condition = threading.Condition()
-    self._in_flight = 0
-    self._syncs = 0
-    self._syncing = 0
-    self._installed = False
-    # Whether this thread is in a placeholder call's trace.
-    self._tracing = threading.local()
-
-  def begin(self) -> None:
-    """A placeholder call starts on this thread: waits while a sync waits
-    or runs."""
-    self._install()
-    with self._condition:
-      self._condition.wait_for(lambda: not self._syncs and not self._syncing)
-      self._in_flight += 1
-    self._tracing.on = True
-
-  def traced(self) -> None:
-    """This thread's placeholder call has handed its graphs over (they stay
-    in flight until end())."""
-    self._tracing.on = False
-
-  def end(self) -> None:
-    with self._condition:
-      self._in_flight -= 1
-      self._condition.notify_all()
-
-  def end_when_done(self, compiles: Sequence[Any]) -> None:
-    """Ends a call once `compiles` (its futures) are done."""
-    pending = [f for f in compiles if not f.done()]
-    if not pending:
-      self.end()
-      return
-    left = [len(pending)]
-    lock = threading.Lock()
-
-    def one_done(_):
-      with lock:
-        left[0] -= 1
-        last = left[0] == 0
-      if last:
-        self.end()
-
-    for future in pending:
-      future.add_done_callback(one_done)
-
-  def syncs_waiting(self) -> int:
-    """How many syncs wait for placeholder calls in flight."""
-    with self._condition:
-      return self._syncs
-
-  def _install(self) -> None:
-    if self._installed:
-      return
-    with self._condition:
-      if self._installed:
-        return
-      step_marker = torch_xla._XLAC._xla_step_marker
-
-      def waiting_step_marker(*args, **kwargs):
-        if getattr(self._tracing, 'on', False):
-          raise RuntimeError(
-              'torch_xla_patches: a sync of the device inside a warm-up call '
-              'would run the placeholders it traces with (see [Note: Syncs '
-              'wait for placeholder graphs] in warmup.py); a warm-up call '
-              'cannot sync')
-        with self._condition:
-          self._syncs += 1
-          self._condition.wait_for(lambda: not self._in_flight)
-          self._syncs -= 1
-          self._syncing += 1
-        try:
-          return step_marker(*args, **kwargs)
-        finally:
-          with self._condition:
-            self._syncing -= 1
-            self._condition.notify_all()
-
-      torch_xla._XLAC._xla_step_marker = waiting_step_marker
-      self._installed = True
-
-
-placeholder_traces = PlaceholderTraces()
-
-
 def _materialize(spec: Any, device,
                  pool: Dict[Any, torch.Tensor]) -> Tuple[tuple, Dict[str, Any]]:
   """(args, kwargs) of one entry of precompile's specs; CallSpec tensors are
@@ -247,17 +136,23 @@ def _start_placeholder_call(
     pool: Dict[Any, torch.Tensor]) -> Tuple[tuple, Dict[str, Any], List[Any]]:
   """(args, kwargs, compiles) of one warm-up call of `spec` on placeholders,
   in flight until its compiles are done (see [Note: Syncs wait for
-  placeholder graphs])."""
-  placeholder_traces.begin()
+  placeholder graphs] in io_utils.py)."""
+  import torch_xla.runtime as xr
+  if xr.is_spmd():
+    # No placeholders on a mesh (see [Note: Placeholder tensors] in
+    # io_utils.py): nothing for a sync to wait for.
+    args, kwargs = _materialize(spec, device, pool)
+    return args, kwargs, compile_without_running(compiled_fn, args, kwargs)
+  io_utils.placeholder_traces.begin()
   try:
     args, kwargs = _materialize(spec, device, pool)
     compiles = compile_without_running(compiled_fn, args, kwargs)
   except BaseException:
-    placeholder_traces.end()
+    io_utils.placeholder_traces.end()
     raise
   finally:
-    placeholder_traces.traced()
-  placeholder_traces.end_when_done(compiles)
+    io_utils.placeholder_traces.traced()
+  io_utils.placeholder_traces.end_when_done(compiles)
   return args, kwargs, compiles
 
 
@@ -326,12 +221,15 @@ class CaptureGate:
   first request made of the served model is answered (whatever it was, a
   raise included), once something waits for every bucket
   (served.wait_ready(), serve(wait=True)) or the warm-up stops, or, with no
-  request in flight, config.serve_capture_delay seconds after the warm-up
-  reached the gate. A first request thus waits for its own capture and
+  request in flight, config.serve_capture_delay seconds after the other
+  buckets are compiled. A first request thus waits for its own capture and
   compile alone: a request needing a capture no bucket made yet makes it
-  itself, and the warm-up then finds it made. A restart loads every capture
-  (serve() checks that they accept every bucket), so nothing waits here.
-  The served model tells the gate of its first request (ServedModel's
+  itself, and the warm-up then finds it made. The warm-up makes each
+  capture (ServedModel.capture_for) before its compile-only call of the
+  bucket, outside the placeholder call, so a device sync never waits for a
+  capture (see [Note: Syncs wait for placeholder graphs] in io_utils.py).
+  A restart loads every capture (serve() checks that they accept every
+  bucket), so nothing waits here. The served model tells the gate of its first request (ServedModel's
   first_request), once; the warm-up's own calls are not requests.
   """
 
@@ -388,6 +286,9 @@ class BackgroundWarmUp:
       capture no capture made so far accepts; such buckets are compiled
       after the others, once `gate` opens (see [Note: Captures after the
       first request]). None: every bucket in order.
+    capture: makes the capture such a bucket needs, before its
+      compile-only call (so a sync never waits for a capture, see [Note:
+      Syncs wait for placeholder graphs] in io_utils.py).
   """
 
   def __init__(self,
@@ -396,12 +297,15 @@ class BackgroundWarmUp:
                tensor_pool: Optional[Dict[Any, torch.Tensor]],
                then: Optional[Callable[[], None]],
                needs_capture: Optional[Callable[[tuple, Dict[str, Any]],
-                                                bool]] = None):
+                                                bool]] = None,
+               capture: Optional[Callable[[tuple, Dict[str, Any]],
+                                          None]] = None):
     self._call = call
     self._specs = list(specs)
     self._tensor_pool = tensor_pool
     self._then = then
     self._needs_capture = needs_capture
+    self._capture = capture
     self.gate = CaptureGate()
     # The compiles counted for a bucket (see _finished).
     self._reported: Set[int] = set()
@@ -452,7 +356,7 @@ class BackgroundWarmUp:
               [i for i in range(len(self._specs)) if i not in deferred]))
       if deferred and not self._stopped:
         self.gate.wait(config.serve_capture_delay)
-        self._finish_compiles(self._start_compiles(deferred))
+        self._finish_compiles(self._start_compiles(deferred, capture=True))
       self._tensor_pool = None
       if self._then is not None and not self._stopped:
         self._then()
@@ -464,15 +368,26 @@ class BackgroundWarmUp:
         self._condition.notify_all()
 
   def _start_compiles(
-      self, indices: Sequence[int]) -> List[Tuple[int, str, float, List[Any]]]:
-    """Traces each of these buckets on this thread; its compile goes to the
-    pool."""
+      self,
+      indices: Sequence[int],
+      capture: bool = False) -> List[Tuple[int, str, float, List[Any]]]:
+    """Traces each of these buckets on this thread (with `capture`, after
+    making the capture it needs); its compile goes to the pool."""
     device = torch_xla.device()
     started: List[Tuple[int, str, float, List[Any]]] = []
     for index in indices:
       if self._stopped:
         break
-      self._start(index, self._specs[index], device, self._pool(), started)
+      spec = self._specs[index]
+      if capture and self._capture is not None:
+        try:
+          args, kwargs = _materialize(spec, device, self._pool())
+          self._capture(args, kwargs)
+          del args, kwargs
+        except Exception as error:  # pylint: disable=broad-except
+          self._fail(index, _describe_spec(spec), error)
+          continue
+      self._start(index, spec, device, self._pool(), started)
     return started
 
   def _pool(self) -> Dict[Any, torch.Tensor]:
