@@ -12,9 +12,10 @@ import logging
 import operator
 import warnings
 
+import contextlib
 import itertools
 import os
-from typing import Any, Dict, Hashable, List, Sequence, Set
+from typing import Any, Dict, Hashable, Iterator, List, Sequence, Set
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -232,18 +233,33 @@ class _NeedsValues(Exception):
   [Note: Look-ahead on placeholders])."""
 
 
-# Ops whose XLA kernels read their inputs' values on the host.
+# Ops whose XLA kernels read their inputs' values on the host, or run on
+# the CPU for some arguments (torch_xla's kernels that call its fallback).
 _VALUE_READING_OPS = frozenset(
     ('aten::_local_scalar_dense', 'aten::equal', 'aten::is_nonzero',
      'aten::nonzero', 'aten::masked_select', 'aten::unique_dim',
-     'aten::_unique2', 'aten::unique_consecutive'))
+     'aten::_unique2', 'aten::unique_consecutive', 'aten::multinomial',
+     'aten::randperm', 'aten::bernoulli', 'aten::bernoulli_', 'aten::normal',
+     'aten::normal_', 'aten::uniform_', 'aten::random_', 'aten::exponential_',
+     'aten::rrelu_with_noise', 'aten::_linalg_eigh', 'aten::linalg_inv_ex',
+     'aten::_adaptive_avg_pool2d', 'aten::_adaptive_avg_pool3d',
+     'aten::adaptive_max_pool2d', 'aten::max_pool2d_with_indices',
+     'aten::max_pool3d_with_indices', 'aten::_embedding_bag_forward_only',
+     'aten::cumprod', 'aten::norm', 'aten::scatter_reduce'))
+# Ops without an XLA kernel that read only their inputs' metadata.
+_METADATA_OPS = frozenset(
+    ('aten::new_zeros', 'aten::new_ones', 'aten::new_empty', 'aten::new_full',
+     'aten::zeros_like', 'aten::ones_like', 'aten::empty_like',
+     'aten::full_like', 'aten::lift_fresh', 'aten::detach', 'aten::alias'))
 
 
 def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
                                                                Any]) -> bool:
-  """Whether the aten op `func` on these arguments would run an XLA
-  program on its inputs: a CPU fallback (no XLA kernel, no backend-free
-  one), a kernel that reads values, or a copy off the device."""
+  """Whether the aten op `func` on these arguments may run an XLA program on
+  its inputs: a CPU fallback (no XLA kernel: one that only a backend-free
+  kernel implements may still reach a fallback inside it), a kernel that
+  reads values or falls back for some arguments, or a copy off the
+  device."""
   schema = getattr(func, '_schema', None)
   if schema is None:
     return False
@@ -253,13 +269,17 @@ def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
   if name in ('aten::_to_copy', 'aten::to', 'aten::copy_'):
     device = kwargs.get('device')
     return device is not None and torch.device(device).type != 'xla'
+  if name in _METADATA_OPS:
+    return False
   overload = f'{name}.{schema.overload_name}' if schema.overload_name else name
   has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
-  return not any(
-      has_kernel(overload, key)
-      for key in ('XLA', 'CompositeExplicitAutograd',
-                  'CompositeExplicitAutogradNonFunctional',
-                  'CompositeImplicitAutograd'))
+  if has_kernel(overload, 'XLA') or has_kernel(overload,
+                                               'CompositeImplicitAutograd'):
+    return False
+  # No XLA kernel: it reads values only if it has a tensor input.
+  return any(
+      isinstance(a, torch.Tensor)
+      for a in torch.utils._pytree.tree_leaves((args, kwargs)))
 
 
 class _OpsOfThisThread(TorchDispatchMode):
@@ -525,6 +545,30 @@ def _run_last(graph: torch.fx.Graph, names: Sequence[str]) -> None:
       last.append(node)
 
 
+class _ExecutionRefused(Exception):
+  """torch_xla refused to run a program during a look-ahead on
+  placeholders (see [Note: Look-ahead on placeholders])."""
+
+
+@contextlib.contextmanager
+def _no_execution(placeholders: bool) -> Iterator[None]:
+  """With `placeholders`, torch_xla refuses to run any program in the block,
+  raised as _ExecutionRefused (see [Note: Look-ahead on placeholders])."""
+  if not placeholders:
+    yield
+    return
+  allowed = torch_xla._XLAC._get_allow_execution()
+  torch_xla._XLAC._set_allow_execution(False)
+  try:
+    yield
+  except RuntimeError as error:
+    if 'Unexpected execution' in str(error):
+      raise _ExecutionRefused(str(error)) from error
+    raise
+  finally:
+    torch_xla._XLAC._set_allow_execution(allowed)
+
+
 def _look_ahead(xla_model: torch.fx.GraphModule,
                 xla_args: Sequence[Any]) -> UnsupportedNodesCollector:
   """Runs `xla_model` on `xla_args` node by node, leaving the arguments as
@@ -534,18 +578,26 @@ def _look_ahead(xla_model: torch.fx.GraphModule,
   placeholders = any(io_utils.is_placeholder(t) for t in tensor_args)
   collector = UnsupportedNodesCollector(xla_model, placeholders)
   try:
-    with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
+    with pending_ir_restored(tensor_args +
+                             tracing.graph_constants(xla_model)), _no_execution(
+                                 placeholders):
       collector.run(*xla_args)
-  except _NeedsValues:
+  except (_NeedsValues, _ExecutionRefused):
     # [Note: Look-ahead on placeholders]
     # The look-ahead runs the graph node by node, and a CPU fallback op or
     # a kernel that reads values runs a program on its inputs, which would
     # crash on a placeholder (see [Note: Placeholder tensors] in
-    # io_utils.py). On placeholders, such an op stops the look-ahead before
-    # it runs, and the look-ahead starts again on zeros of the placeholders'
-    # sizes, made for it alone, which the partition around such ops then
-    # runs on too (the parts' example inputs): only a graph that has such an
-    # op pays that memory.
+    # io_utils.py). On placeholders, an op known to do so (no XLA kernel,
+    # or one that reads values) stops the look-ahead before it runs, and
+    # any other execution is refused by torch_xla for the look-ahead's
+    # duration (`_set_allow_execution(False)`, which holds for every
+    # thread: under execution_lock no program of the bridge runs meanwhile,
+    # and a device sync waits for the placeholder call; another thread's
+    # eager read of pending IR in that window is refused too). Either way
+    # the look-ahead starts again on zeros of the placeholders' sizes, made
+    # for it alone, which the partition around such ops then runs on too
+    # (the parts' example inputs): only a graph that has such an op pays
+    # that memory.
     xla_args = [
         io_utils.zeros_on_device(a.shape, a.dtype, a.device)
         if io_utils.is_placeholder(a) else a for a in xla_args
