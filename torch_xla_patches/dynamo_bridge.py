@@ -246,7 +246,8 @@ _VALUE_READING_OPS = frozenset(
      'aten::adaptive_max_pool2d', 'aten::max_pool2d_with_indices',
      'aten::max_pool3d_with_indices', 'aten::_embedding_bag_forward_only',
      'aten::cumprod', 'aten::norm', 'aten::scatter_reduce'))
-# Ops without an XLA kernel that read only their inputs' metadata.
+# Ops without an XLA kernel that read only their inputs' metadata (views
+# too).
 _METADATA_OPS = frozenset(
     ('aten::new_zeros', 'aten::new_ones', 'aten::new_empty', 'aten::new_full',
      'aten::zeros_like', 'aten::ones_like', 'aten::empty_like',
@@ -269,7 +270,7 @@ def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
   if name in ('aten::_to_copy', 'aten::to', 'aten::copy_'):
     device = kwargs.get('device')
     return device is not None and torch.device(device).type != 'xla'
-  if name in _METADATA_OPS:
+  if name in _METADATA_OPS or getattr(func, 'is_view', False):
     return False
   overload = f'{name}.{schema.overload_name}' if schema.overload_name else name
   has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
