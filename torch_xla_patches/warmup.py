@@ -229,8 +229,9 @@ class CaptureGate:
   bucket, outside the placeholder call, so a device sync never waits for a
   capture (see [Note: Syncs wait for placeholder graphs] in io_utils.py).
   A restart loads every capture (serve() checks that they accept every
-  bucket), so nothing waits here. The served model tells the gate of its first request (ServedModel's
-  first_request), once; the warm-up's own calls are not requests.
+  bucket), so nothing waits here. The served model tells the gate of its
+  first request (ServedModel's first_request), once; the warm-up's own
+  calls are not requests.
   """
 
   def __init__(self):
@@ -354,6 +355,8 @@ class BackgroundWarmUp:
       self._finish_compiles(
           self._start_compiles(
               [i for i in range(len(self._specs)) if i not in deferred]))
+      # Not held while the gate is shut (sharded bucket tensors are real).
+      self._tensor_pool = None
       if deferred and not self._stopped:
         self.gate.wait(config.serve_capture_delay)
         self._finish_compiles(self._start_compiles(deferred, capture=True))
