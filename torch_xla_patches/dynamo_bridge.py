@@ -277,10 +277,54 @@ def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
   if has_kernel(overload, 'XLA') or has_kernel(overload,
                                                'CompositeImplicitAutograd'):
     return False
-  # No XLA kernel: it reads values only if it has a tensor input.
-  return any(
-      isinstance(a, torch.Tensor)
-      for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+  leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+  if not any(isinstance(a, torch.Tensor) for a in leaves):
+    return False
+  if not has_kernel(overload, 'CompositeExplicitAutograd'):
+    return True
+  return _falls_back(func, args, kwargs)
+
+
+# Backend-free ops without an XLA kernel, by overload: whether a probe on
+# small tensors reached a CPU fallback (see _falls_back).
+_falls_back_by_op: Dict[Any, bool] = {}
+
+
+def _falls_back(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+  """Whether the backend-free kernel of `func` reaches a CPU fallback on
+  XLA tensors (logcumsumexp's does, _safe_softmax's does not): found once
+  per op by running it on zeros of the same dtypes and ranks, every size 1,
+  with execution allowed for that probe; a probe that raises, or sees
+  another thread's fallback meanwhile, says it does."""
+  known = _falls_back_by_op.get(func)
+  if known is not None:
+    return known
+
+  def small(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == 'xla':
+      return torch.zeros((1,) * value.dim(),
+                         dtype=value.dtype,
+                         device=value.device)
+    return value
+
+  allowed = torch_xla._XLAC._get_allow_execution()
+  torch_xla._XLAC._set_allow_execution(True)
+  watch = _FallbackCounterWatch()
+  try:
+    probe_args, probe_kwargs = torch.utils._pytree.tree_map(
+        small, (tuple(args), dict(kwargs)))
+    outputs = func(*probe_args, **probe_kwargs)
+    sync_alone_noting_reads([
+        t for t in torch.utils._pytree.tree_leaves(outputs)
+        if isinstance(t, torch.Tensor) and t.device.type == 'xla'
+    ])
+    falls_back = bool(watch.changed())
+  except Exception:  # pylint: disable=broad-except
+    falls_back = True
+  finally:
+    torch_xla._XLAC._set_allow_execution(allowed)
+  _falls_back_by_op[func] = falls_back
+  return falls_back
 
 
 class _OpsOfThisThread(TorchDispatchMode):
@@ -575,6 +619,13 @@ def _look_ahead(xla_model: torch.fx.GraphModule,
   """Runs `xla_model` on `xla_args` node by node, leaving the arguments as
   they were; the collector tells what the run found, and the arguments it
   ran on (its `arguments`), which the graph's partition runs on too."""
+  return _look_ahead_on(xla_model, xla_args)
+
+
+def _look_ahead_on(xla_model: torch.fx.GraphModule,
+                   xla_args: Sequence[Any]) -> UnsupportedNodesCollector:
+  """_look_ahead's work (its retry on zeros calls this one, not whatever
+  stands in for _look_ahead)."""
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
   placeholders = any(io_utils.is_placeholder(t) for t in tensor_args)
   collector = UnsupportedNodesCollector(xla_model, placeholders)
@@ -603,7 +654,7 @@ def _look_ahead(xla_model: torch.fx.GraphModule,
         io_utils.zeros_on_device(a.shape, a.dtype, a.device)
         if io_utils.is_placeholder(a) else a for a in xla_args
     ]
-    return _look_ahead(xla_model, xla_args)
+    return _look_ahead_on(xla_model, xla_args)
   collector.arguments = xla_args
   return collector
 
