@@ -639,11 +639,14 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
     # The look-ahead runs the graph node by node, and a CPU fallback op or
     # a kernel that reads values runs a program on its inputs, which would
     # crash on a placeholder (see [Note: Placeholder tensors] in
-    # io_utils.py). On placeholders, an op known to do so (no XLA kernel,
-    # or one that reads values) stops the look-ahead before it runs, and
-    # any other execution is refused by torch_xla for the look-ahead's
-    # duration (`_set_allow_execution(False)`, which holds for every
-    # thread: under execution_lock no program of the bridge runs meanwhile,
+    # io_utils.py). On placeholders, an op that may do so stops the
+    # look-ahead before it runs (_reads_values: no XLA kernel, unless it
+    # takes no tensor, is a view, or its backend-free kernel reached no
+    # fallback in a probe on size-1 zeros; or a kernel of torch_xla that
+    # reads values or falls back for some arguments), and any other
+    # execution is refused by torch_xla for the look-ahead's duration
+    # (`_set_allow_execution(False)`, which holds for every thread: under
+    # execution_lock no program of the bridge runs meanwhile,
     # and a device sync waits for the placeholder call; another thread's
     # eager read of pending IR in that window is refused too). Either way
     # the look-ahead starts again on zeros of the placeholders' sizes, made
