@@ -2,6 +2,8 @@
 kept in the artifact (see [Note: One capture per guard set] in
 serving.py)."""
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -9,7 +11,8 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_patches
-from torch_xla_patches import TensorSpec, artifact, fast_dispatch, serialization
+from torch_xla_patches import (TensorSpec, artifact, config, execution,
+                               fast_dispatch, serialization, serving, warmup)
 from bridge_testing import errors_at_once, run_reports
 from served_modules import PromptOrStep
 
@@ -121,3 +124,71 @@ def test_a_restart_loads_every_capture(tmp_path):
   assert loaded.captures == ()
   assert 'ArtifactCorruptError' in loaded.reason
   assert 'expected 3 captures' in loaded.reason
+
+
+def test_a_first_request_is_answered_while_another_buckets_capture_is_held(
+    patched_bridge, monkeypatch):
+  # See [Note: Captures after the first request] in warmup.py. The step
+  # bucket's capture, once it starts, holds the bridge's lock until the test
+  # lets it go: a request behind it would wait as long.
+  monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
+  capture = serving._capture
+  captures_made = []
+  held, release = threading.Event(), threading.Event()
+
+  def held_capture(*args, **kwargs):
+    captures_made.append(len(captures_made))
+    if len(captures_made) > 1:
+      with execution.execution_lock:
+        held.set()
+        release.wait()
+    return capture(*args, **kwargs)
+
+  monkeypatch.setattr(serving, '_capture', held_capture)
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, BUCKETS, wait=False)
+  request = threading.Thread(target=check, args=(served, cpu, PROMPT))
+  try:
+    request.start()
+    # A bound, not a wait that decides: on the old order the request waits
+    # until the held capture is let go, which only happens below.
+    request.join(timeout=120)
+    answered_first = not request.is_alive()
+    assert not release.is_set()
+  finally:
+    release.set()
+  request.join()
+  assert answered_first
+  assert held.wait(timeout=120)
+  assert served.wait_ready(timeout=120)
+  assert len(served.captures()) == 2
+  check(served, cpu, STEP)
+  check(served, cpu, PROMPT)
+  assert counter(fast_dispatch.COUNTER_RETRACE) == 0
+
+
+def test_with_no_request_the_warm_up_captures_after_its_delay(
+    patched_bridge, monkeypatch):
+  monkeypatch.setattr(config, 'serve_capture_delay', 0.0)
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, BUCKETS, wait=False)
+  # Polled, not waited for with wait_ready(), which would open the gate.
+  deadline = time.monotonic() + 120
+  while not served.readiness().done and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert served.readiness() == warmup.Readiness(ready=2, total=2, failed=())
+  assert len(served.captures()) == 2
+  check(served, cpu, STEP)
+
+
+def test_a_first_request_that_needs_a_capture_makes_it_once(
+    patched_bridge, monkeypatch):
+  monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, BUCKETS, wait=False)
+  # The step's own capture, made by the request; the warm-up finds it made.
+  check(served, cpu, STEP)
+  assert served.wait_ready(timeout=120)
+  assert len(served.captures()) == 2
+  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
+  check(served, cpu, PROMPT)

@@ -216,10 +216,12 @@ def test_serve_on_a_mesh_tells_sharded_from_replicated_calls(tmp_path):
     # with the parameters as the user left them (unannotated); the first
     # run's sync replicates them, which the fast path sees as bound
     # tensors changed behind their objects: what was learned before is
-    # dropped, four times, then it holds.
+    # dropped, four times, then it holds. The warm-up's compile-only calls
+    # take the full path without asking the fast path (ServedModel's
+    # compile_only_call), so they count no fallback.
     assert report['fast'] == 8 + 1, report
     assert report['counters'] == {
-        'ServeFallbackNoPlan': 5,
+        'ServeFallbackNoPlan': 1,
         'ServeFallbackNewArguments': 8,
         'ServeRetrace': 1
     }, report

@@ -108,15 +108,19 @@ class CallSpec:
         f'a bucket is a CallSpec, a tuple of argument specs or a TensorSpec, '
         f'not {type(bucket).__name__}')
 
-  def materialize(
-      self,
-      device: Any,
-      pool: Optional[Dict[Tuple[TensorSpec, int], torch.Tensor]] = None
-  ) -> Tuple[tuple, Dict[str, Any]]:
+  def materialize(self,
+                  device: Any,
+                  pool: Optional[Dict[Tuple[TensorSpec, int],
+                                      torch.Tensor]] = None,
+                  for_trace: bool = False) -> Tuple[tuple, Dict[str, Any]]:
     """(args, kwargs) with zeros for every TensorSpec (see
     io_utils.zeros_on_device).
 
     Args:
+      for_trace: for a call that runs nothing (a warm-up's, a capture's, a
+        guard check's): each TensorSpec, and each tensor of an object's copy,
+        is a placeholder without a buffer (see [Note: Placeholder tensors]
+        in io_utils.py).
       pool: tensors made for earlier buckets, by (spec, how many tensors of
         that spec came before it in its call), reused instead of made again
         and filled in with what is made here. A warm-up of many buckets then
@@ -126,25 +130,29 @@ class CallSpec:
         their results are not read).
     """
     seen: Dict[Any, int] = {}
+    copy_object = _copy_for_trace if for_trace else copy.deepcopy
+
+    def tensor(spec: TensorSpec) -> torch.Tensor:
+      return spec.for_trace(device) if for_trace else spec.materialize(device)
 
     def make(leaf: Any) -> Any:
       if is_object_argument(leaf):
         # See [Note: Objects in a call].
         if pool is None:
-          return copy.deepcopy(leaf)
+          return copy_object(leaf)
         place = (('cache', id(leaf)), seen.get(id(leaf), 0))
         seen[id(leaf)] = place[1] + 1
         if place not in pool:
-          pool[place] = copy.deepcopy(leaf)
+          pool[place] = copy_object(leaf)
         return pool[place]
       if not isinstance(leaf, TensorSpec):
         return leaf
       if pool is None:
-        return leaf.materialize(device)
+        return tensor(leaf)
       place = (leaf, seen.get(leaf, 0))
       seen[leaf] = place[1] + 1
       if place not in pool:
-        pool[place] = leaf.materialize(device)
+        pool[place] = tensor(leaf)
       return pool[place]
 
     return _map_leaves(self.args, make), _map_leaves(self.kwargs, make)
@@ -208,6 +216,21 @@ def argument_tensors(value: Any) -> List[torch.Tensor]:
 
   walk(value, 0)
   return found
+
+
+def _copy_for_trace(value: Any) -> Any:
+  """A deep copy of an object argument whose XLA tensors are placeholders
+  of their sizes and dtypes (see [Note: Placeholder tensors] in
+  io_utils.py): a tensor the object holds twice is one placeholder held
+  twice. Views and, on a mesh, every tensor are copied as deepcopy copies
+  them (a placeholder has no base to view, nor a sharding)."""
+  import torch_xla.runtime as xr
+  memo: Dict[int, Any] = {}
+  if not xr.is_spmd():
+    for tensor in argument_tensors(value):
+      if tensor.device.type == 'xla' and not tensor._is_view():
+        memo[id(tensor)] = io_utils.placeholder(tensor.shape, tensor.dtype)
+  return copy.deepcopy(value, memo)
 
 
 def _object_layout(value: Any, depth: int = 0) -> Any:

@@ -324,6 +324,17 @@ serve_wait = _flag('serve_wait',
                    BOOL,
                    changes_program=False)
 
+# On a first start, serve()'s warm-up captures a bucket the captures made so
+# far refuse (a decode step beside a prompt) only once the first request is
+# answered, or, with no request in flight, this many seconds after its other
+# buckets are compiled (see [Note: Captures after the first request] in
+# warmup.py): a first request never waits behind another bucket's capture.
+serve_capture_delay = _flag('serve_capture_delay',
+                            'XLA_PATCHES_SERVE_CAPTURE_DELAY',
+                            2.0,
+                            SECONDS,
+                            changes_program=False)
+
 # The fast path of a served call (fast_dispatch.py) checks what can change
 # cheaply and skips dynamo's guards. With this set, each fast call also runs
 # dynamo's guards, and a call they refuse is counted (ServeVerifyMismatch),

@@ -12,9 +12,10 @@ import logging
 import operator
 import warnings
 
+import contextlib
 import itertools
 import os
-from typing import Any, Dict, Hashable, List, Sequence, Set
+from typing import Any, Dict, Hashable, Iterator, List, Sequence, Set
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -30,7 +31,7 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
                                              get_fallback_ops)
 
 from torch_xla._dynamo import config as upstream_config
-from torch_xla_patches import compile_window, tracing
+from torch_xla_patches import compile_window, io_utils, tracing
 from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         COUNTER_CPU_FALLBACK_EAGER,
                                         COUNTER_CPU_FALLBACK_PARTITION,
@@ -232,13 +233,115 @@ class _FallbackCounterWatch:
     return names
 
 
+class _NeedsValues(Exception):
+  """A look-ahead on placeholders met an op that would read values (see
+  [Note: Look-ahead on placeholders])."""
+
+
+# Ops whose XLA kernels read their inputs' values on the host, or run on
+# the CPU for some arguments (torch_xla's kernels that call its fallback).
+_VALUE_READING_OPS = frozenset(
+    ('aten::_local_scalar_dense', 'aten::equal', 'aten::is_nonzero',
+     'aten::nonzero', 'aten::masked_select', 'aten::unique_dim',
+     'aten::_unique2', 'aten::unique_consecutive', 'aten::multinomial',
+     'aten::randperm', 'aten::bernoulli', 'aten::bernoulli_', 'aten::normal',
+     'aten::normal_', 'aten::uniform_', 'aten::random_', 'aten::exponential_',
+     'aten::rrelu_with_noise', 'aten::_linalg_eigh', 'aten::linalg_inv_ex',
+     'aten::_adaptive_avg_pool2d', 'aten::_adaptive_avg_pool3d',
+     'aten::adaptive_max_pool2d', 'aten::max_pool2d_with_indices',
+     'aten::max_pool3d_with_indices', 'aten::_embedding_bag_forward_only',
+     'aten::cumprod', 'aten::norm', 'aten::scatter_reduce'))
+# Ops without an XLA kernel that read only their inputs' metadata (views
+# too).
+_METADATA_OPS = frozenset(
+    ('aten::new_zeros', 'aten::new_ones', 'aten::new_empty', 'aten::new_full',
+     'aten::zeros_like', 'aten::ones_like', 'aten::empty_like',
+     'aten::full_like', 'aten::lift_fresh', 'aten::detach', 'aten::alias'))
+
+
+def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
+                                                               Any]) -> bool:
+  """Whether the aten op `func` on these arguments may run an XLA program on
+  its inputs: a CPU fallback (no XLA kernel: one that only a backend-free
+  kernel implements may still reach a fallback inside it), a kernel that
+  reads values or falls back for some arguments, or a copy off the
+  device."""
+  schema = getattr(func, '_schema', None)
+  if schema is None:
+    return False
+  name = schema.name
+  if name in _VALUE_READING_OPS:
+    return True
+  if name in ('aten::_to_copy', 'aten::to', 'aten::copy_'):
+    device = kwargs.get('device')
+    return device is not None and torch.device(device).type != 'xla'
+  if name in _METADATA_OPS or getattr(func, 'is_view', False):
+    return False
+  overload = f'{name}.{schema.overload_name}' if schema.overload_name else name
+  has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+  if has_kernel(overload, 'XLA') or has_kernel(overload,
+                                               'CompositeImplicitAutograd'):
+    return False
+  leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+  if not any(isinstance(a, torch.Tensor) for a in leaves):
+    return False
+  if not has_kernel(overload, 'CompositeExplicitAutograd'):
+    return True
+  return _falls_back(func, args, kwargs)
+
+
+# Backend-free ops without an XLA kernel, by overload: whether a probe on
+# small tensors reached a CPU fallback (see _falls_back).
+_falls_back_by_op: Dict[Any, bool] = {}
+
+
+def _falls_back(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+  """Whether the backend-free kernel of `func` reaches a CPU fallback on
+  XLA tensors (logcumsumexp's does, _safe_softmax's does not): found once
+  per op by running it on zeros of the same dtypes and ranks, every size 1,
+  with execution allowed for that probe; a probe that raises, or sees
+  another thread's fallback meanwhile, says it does."""
+  known = _falls_back_by_op.get(func)
+  if known is not None:
+    return known
+
+  def small(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == 'xla':
+      return torch.zeros((1,) * value.dim(),
+                         dtype=value.dtype,
+                         device=value.device)
+    return value
+
+  allowed = torch_xla._XLAC._get_allow_execution()
+  torch_xla._XLAC._set_allow_execution(True)
+  watch = _FallbackCounterWatch()
+  try:
+    probe_args, probe_kwargs = torch.utils._pytree.tree_map(
+        small, (tuple(args), dict(kwargs)))
+    outputs = func(*probe_args, **probe_kwargs)
+    sync_alone_noting_reads([
+        t for t in torch.utils._pytree.tree_leaves(outputs)
+        if isinstance(t, torch.Tensor) and t.device.type == 'xla'
+    ])
+    falls_back = bool(watch.changed())
+  except Exception:  # pylint: disable=broad-except
+    falls_back = True
+  finally:
+    torch_xla._XLAC._set_allow_execution(allowed)
+  _falls_back_by_op[func] = falls_back
+  return falls_back
+
+
 class _OpsOfThisThread(TorchDispatchMode):
   """Names each aten op this thread runs while the mode is on (see [Note:
-  Fallback ops of this thread])."""
+  Fallback ops of this thread]); with `placeholders`, raises _NeedsValues
+  before an op that would read values (see [Note: Look-ahead on
+  placeholders])."""
 
-  def __init__(self):
+  def __init__(self, placeholders: bool = False):
     super().__init__()
     self.names: Set[str] = set()
+    self.placeholders = placeholders
 
   def __enter__(self):
     _push_mode(self)
@@ -251,6 +354,8 @@ class _OpsOfThisThread(TorchDispatchMode):
     schema = getattr(func, '_schema', None)
     if schema is not None:
       self.names.add(schema.name)
+    if self.placeholders and _reads_values(func, args, kwargs or {}):
+      raise _NeedsValues(schema.name)
     return func(*args, **(kwargs or {}))
 
 
@@ -271,11 +376,13 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
   user-visible counters survive the first call.
   """
 
-  def __init__(self, module: torch.fx.GraphModule):
+  def __init__(self, module: torch.fx.GraphModule, placeholders: bool = False):
     super().__init__(module)
     self._unsupported_nodes: List[torch.fx.Node] = []
+    # The arguments the look-ahead ran on (see _look_ahead).
+    self.arguments: Sequence[Any] = ()
     self._watch = _FallbackCounterWatch()
-    self._ops = _OpsOfThisThread()
+    self._ops = _OpsOfThisThread(placeholders)
     # Whether a node updated an input in place (the `copy_` updates at the
     # graph's end are not run; see [Note: Input updates in a partitioned
     # graph]).
@@ -488,14 +595,75 @@ def _run_last(graph: torch.fx.Graph, names: Sequence[str]) -> None:
       last.append(node)
 
 
+class _ExecutionRefused(Exception):
+  """torch_xla refused to run a program during a look-ahead on
+  placeholders (see [Note: Look-ahead on placeholders])."""
+
+
+@contextlib.contextmanager
+def _no_execution(placeholders: bool) -> Iterator[None]:
+  """With `placeholders`, torch_xla refuses to run any program in the block,
+  raised as _ExecutionRefused (see [Note: Look-ahead on placeholders])."""
+  if not placeholders:
+    yield
+    return
+  allowed = torch_xla._XLAC._get_allow_execution()
+  torch_xla._XLAC._set_allow_execution(False)
+  try:
+    yield
+  except RuntimeError as error:
+    if 'Unexpected execution' in str(error):
+      raise _ExecutionRefused(str(error)) from error
+    raise
+  finally:
+    torch_xla._XLAC._set_allow_execution(allowed)
+
+
 def _look_ahead(xla_model: torch.fx.GraphModule,
                 xla_args: Sequence[Any]) -> UnsupportedNodesCollector:
   """Runs `xla_model` on `xla_args` node by node, leaving the arguments as
-  they were; the collector tells what the run found."""
+  they were; the collector tells what the run found, and the arguments it
+  ran on (its `arguments`), which the graph's partition runs on too."""
+  return _look_ahead_on(xla_model, xla_args)
+
+
+def _look_ahead_on(xla_model: torch.fx.GraphModule,
+                   xla_args: Sequence[Any]) -> UnsupportedNodesCollector:
+  """_look_ahead's work (its retry on zeros calls this one, not whatever
+  stands in for _look_ahead)."""
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
-  collector = UnsupportedNodesCollector(xla_model)
-  with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
-    collector.run(*xla_args)
+  placeholders = any(io_utils.is_placeholder(t) for t in tensor_args)
+  collector = UnsupportedNodesCollector(xla_model, placeholders)
+  try:
+    with pending_ir_restored(tensor_args +
+                             tracing.graph_constants(xla_model)), _no_execution(
+                                 placeholders):
+      collector.run(*xla_args)
+  except (_NeedsValues, _ExecutionRefused):
+    # [Note: Look-ahead on placeholders]
+    # The look-ahead runs the graph node by node, and a CPU fallback op or
+    # a kernel that reads values runs a program on its inputs, which would
+    # crash on a placeholder (see [Note: Placeholder tensors] in
+    # io_utils.py). On placeholders, an op that may do so stops the
+    # look-ahead before it runs (_reads_values: no XLA kernel, unless it
+    # takes no tensor, is a view, or its backend-free kernel reached no
+    # fallback in a probe on size-1 zeros; or a kernel of torch_xla that
+    # reads values or falls back for some arguments), and any other
+    # execution is refused by torch_xla for the look-ahead's duration
+    # (`_set_allow_execution(False)`, which holds for every thread: under
+    # execution_lock no program of the bridge runs meanwhile,
+    # and a device sync waits for the placeholder call; another thread's
+    # eager read of pending IR in that window is refused too). Either way
+    # the look-ahead starts again on zeros of the placeholders' sizes, made
+    # for it alone, which the partition around such ops then runs on too
+    # (the parts' example inputs): only a graph that has such an op pays
+    # that memory.
+    xla_args = [
+        io_utils.zeros_on_device(a.shape, a.dtype, a.device)
+        if io_utils.is_placeholder(a) else a for a in xla_args
+    ]
+    return _look_ahead_on(xla_model, xla_args)
+  collector.arguments = xla_args
   return collector
 
 
@@ -564,6 +732,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   XLAConstructorMoverPass()(xla_model.graph)
 
   look_ahead = _look_ahead(xla_model, xla_args)
+  xla_args = look_ahead.arguments
   unsupported_nodes = look_ahead.get_unsupported_nodes()
   if unsupported_nodes and (look_ahead.updates_inputs_before_end or any(
       _updates_in_place(node) for node in xla_model.graph.nodes)):

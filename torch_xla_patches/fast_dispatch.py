@@ -236,6 +236,9 @@ class ServedModel:
     # The compile of the buckets, once serve() starts it (see [Note: Ready
     # at once] in serving.py).
     self.warm_up: Optional[Any] = None
+    # Told of the first request's start and answer, then None (see [Note:
+    # Captures after the first request] in warmup.py).
+    self.first_request: Optional[Any] = None
 
   def __reduce__(self):
     # Installed as the module's forward (see [Note: Serving a module's
@@ -264,6 +267,14 @@ class ServedModel:
     return self.warm_up.wait(timeout)
 
   def __call__(self, *args, **kwargs):
+    first = self.first_request
+    if first is not None and not execution.compiling_only():
+      self.first_request = None
+      first.request_started()
+      try:
+        return self(*args, **kwargs)
+      finally:
+        first.request_answered()
     served = self._served
     if not served:
       with torch.no_grad():
@@ -277,6 +288,24 @@ class ServedModel:
       if calls is None:
         return served[0].retrace(args, kwargs)
     return calls.call(args, kwargs, key, leaves)
+
+  def capture_for(self, args: tuple, kwargs: Dict[str, Any]) -> None:
+    """Makes the capture whose guards accept the call (args, kwargs), if
+    none made so far does (see [Note: One capture per guard set] in
+    serving.py); a warm-up makes it before its compile-only call of the
+    bucket, so that the capture is not part of that call."""
+    if self._served and self._accepting(args, kwargs, None) is None:
+      self._captured_for(args, kwargs)
+
+  def compile_only_call(self, *args, **kwargs):
+    """A warm-up's call (see [Note: Compile-only calls] in execution.py):
+    the full path, whose bridge compiles and stops, never the fast path,
+    whose learned run of a key a request taught would run its program."""
+    served = self._served
+    if not served:
+      return self(*args, **kwargs)
+    key, leaves = call_spec.call_key(args, kwargs, served[0].sharding_of)
+    return served[0].full_call(args, kwargs, key, leaves)
 
   def _refused(self, refused_by: 'ServedCalls', args: tuple, kwargs: Dict[str,
                                                                           Any],

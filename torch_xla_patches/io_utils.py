@@ -11,6 +11,8 @@ import math
 import os
 import stat
 import tempfile
+import threading
+import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -51,6 +53,184 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
                                   wait=True,
                                   sync_xla_data=True)
   return tensor
+
+
+# [Note: Placeholder tensors]
+# A trace needs its arguments' sizes, dtypes and shardings, never their
+# values: what a warm-up traces with is made by `placeholder()`, device data
+# with a shape and no buffer (torch_xla's placeholder tensor), so a bucket's
+# KV cache costs no device memory. Lazy tracing, graph hashes and XLA
+# compiles (`_xla_warm_up_cache`) read only the shape of such data. Running
+# a program that reads it crashes the process (torch_xla does not check), so
+# whatever holds a placeholder's IR must never be run: the trace's restore
+# gives a placeholder a fresh one instead of syncing it (ArgumentsRestore in
+# tracing.py), and a warm-up keeps the graphs it leaves pending for the
+# compile pool out of every sync of the device (see [Note: Syncs wait for
+# placeholder graphs]). A placeholder cannot be sharded
+# (`mark_sharding` copies the tensor's data), so a sharded TensorSpec is
+# zeros made on the device already split (`sharded_zeros`): one copy over
+# the mesh, never a replicated one.
+_placeholders: Dict[int, Any] = {}
+
+
+def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+  """A tensor of `shape` and `dtype` on the XLA device that holds no
+  buffer (see [Note: Placeholder tensors])."""
+  import torch_xla.core.xla_builder as xb
+  tensor = xb.create_placeholder_tensor(tuple(int(s) for s in shape), dtype)
+  key = id(tensor)
+  _placeholders[key] = weakref.ref(tensor,
+                                   lambda _: _placeholders.pop(key, None))
+  return tensor
+
+
+def is_placeholder(tensor: Any) -> bool:
+  """Whether `tensor` was made by placeholder() (its data may since have
+  been replaced by another placeholder's, never by a buffer)."""
+  ref = _placeholders.get(id(tensor))
+  return ref is not None and ref() is tensor
+
+
+def reset_placeholder(tensor: torch.Tensor) -> None:
+  """Gives a placeholder the data of a fresh one: whatever IR a trace left
+  on it is dropped, and nothing runs."""
+  import torch_xla
+  import torch_xla.core.xla_builder as xb
+  fresh = xb.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
+  torch_xla._XLAC._replace_xla_tensor(tensor, fresh)
+
+
+def sharded_zeros(shape: Sequence[int], dtype: torch.dtype,
+                  sharding: 'Sharding', device: Any) -> torch.Tensor:
+  """Zeros on `device` split as `sharding` says, as device data: the
+  sharding is set on the zeros' IR before the sync, so the sync makes each
+  shard on its device and no device ever holds the whole tensor."""
+  import torch_xla
+  tensor = torch.zeros(tuple(shape), dtype=dtype, device=device)
+  sharding.apply(tensor)
+  torch_xla._XLAC._xla_sync_multi([tensor],
+                                  devices=[],
+                                  wait=True,
+                                  sync_xla_data=True)
+  return tensor
+
+
+class PlaceholderTraces:
+  """Compile-only calls on placeholders, and the syncs of the device that
+  wait for them.
+
+  [Note: Syncs wait for placeholder graphs]
+  A warm-up call traces on placeholders (see [Note: Placeholder tensors])
+  and leaves the graph it traced pending on the tensors the
+  compile pool compiles from, until that compile is done. A sync of every
+  live tensor of the device (torch_xla.sync(), xm.mark_step(), on any
+  thread) would run that graph, and running a placeholder crashes the
+  process. So, from the first placeholder trace on, torch_xla's step marker
+  (`_XLAC._xla_step_marker`, which both call) is wrapped: a sync waits
+  until no placeholder call is in flight, and holds the others off while it
+  runs. A call is in flight from the making of its placeholders until its
+  compiles are done; a sync that waits keeps new ones from starting, so it
+  waits for the compiles of the calls traced before it (a warm-up traces
+  ahead of the pool, as a request of a queued bucket moves its compile to
+  the front). Nothing in flight, the wrapper costs a lock and a check. A
+  sync inside a placeholder call's trace raises instead of waiting for
+  itself. A placeholder call begins holding no lock of the bridge, and a
+  sync holds none while it waits, so neither waits for the other while
+  holding what the other needs. Under SPMD no placeholder is made
+  (TensorSpec.for_trace), and nothing here waits. A signature a restart
+  replays from its records inside a placeholder call (on_this_thread) is
+  traced on placeholders too, and its compile is one of the call's.
+  """
+
+  def __init__(self):
+    self._condition = threading.Condition()
+    self._in_flight = 0
+    self._syncs = 0
+    self._syncing = 0
+    self._installed = False
+    # Whether this thread is in a placeholder call's trace.
+    self._tracing = threading.local()
+
+  def begin(self) -> None:
+    """A placeholder call starts on this thread: waits while a sync waits
+    or runs."""
+    self._install()
+    with self._condition:
+      self._condition.wait_for(lambda: not self._syncs and not self._syncing)
+      self._in_flight += 1
+    self._tracing.on = True
+
+  def on_this_thread(self) -> bool:
+    """Whether this thread is tracing a placeholder call."""
+    return getattr(self._tracing, 'on', False)
+
+  def traced(self) -> None:
+    """This thread's placeholder call has handed its graphs over (they stay
+    in flight until end())."""
+    self._tracing.on = False
+
+  def end(self) -> None:
+    with self._condition:
+      self._in_flight -= 1
+      self._condition.notify_all()
+
+  def end_when_done(self, compiles: Sequence[Any]) -> None:
+    """Ends a call once `compiles` (its futures) are done."""
+    pending = [f for f in compiles if not f.done()]
+    if not pending:
+      self.end()
+      return
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done(_):
+      with lock:
+        left[0] -= 1
+        last = left[0] == 0
+      if last:
+        self.end()
+
+    for future in pending:
+      future.add_done_callback(one_done)
+
+  def syncs_waiting(self) -> int:
+    """How many syncs wait for placeholder calls in flight."""
+    with self._condition:
+      return self._syncs
+
+  def _install(self) -> None:
+    if self._installed:
+      return
+    with self._condition:
+      if self._installed:
+        return
+      import torch_xla
+      step_marker = torch_xla._XLAC._xla_step_marker
+
+      def waiting_step_marker(*args, **kwargs):
+        if getattr(self._tracing, 'on', False):
+          raise RuntimeError(
+              'torch_xla_patches: a sync of the device inside a warm-up call '
+              'would run the placeholders it traces with (see [Note: Syncs '
+              'wait for placeholder graphs] in io_utils.py); a warm-up call '
+              'cannot sync')
+        with self._condition:
+          self._syncs += 1
+          self._condition.wait_for(lambda: not self._in_flight)
+          self._syncs -= 1
+          self._syncing += 1
+        try:
+          return step_marker(*args, **kwargs)
+        finally:
+          with self._condition:
+            self._syncing -= 1
+            self._condition.notify_all()
+
+      torch_xla._XLAC._xla_step_marker = waiting_step_marker
+      self._installed = True
+
+
+placeholder_traces = PlaceholderTraces()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +315,20 @@ class TensorSpec:
       self.sharding.apply(tensor)
     return tensor
 
+  def for_trace(self, device: Any) -> torch.Tensor:
+    """A tensor of this spec for a trace that runs nothing (see [Note:
+    Placeholder tensors]): a placeholder, or, sharded, zeros made split."""
+    if torch.device(device).type != 'xla':
+      return self.materialize(device)
+    if self.sharding is not None:
+      return sharded_zeros(self.shape, self.dtype, self.sharding, device)
+    import torch_xla.runtime as xr
+    if xr.is_spmd():
+      # A donating run on a mesh syncs the device's pending IR (see [Note:
+      # Threads] in execution.py), which would run a placeholder's graph.
+      return self.materialize(device)
+    return placeholder(self.shape, self.dtype)
+
   def describe(self) -> str:
     sharding = self.sharding.describe() if self.sharding is not None else ''
     return f'{dtype_name(self.dtype)}{list(self.shape)}{sharding}'
@@ -151,11 +345,15 @@ def arg_spec(arg: Any) -> ArgSpec:
   return {'value': arg}
 
 
-def arg_from_spec(spec: ArgSpec, device: Any) -> Any:
-  """The argument `arg_spec` described: zeros of its sizes, or the number."""
+def arg_from_spec(spec: ArgSpec, device: Any, for_trace: bool = False) -> Any:
+  """The argument `arg_spec` described: zeros of its sizes (with
+  `for_trace`, see TensorSpec.for_trace), or the number."""
   if 'value' in spec:
     return spec['value']
-  return TensorSpec.from_json(spec).materialize(device)
+  tensor_spec = TensorSpec.from_json(spec)
+  if for_trace:
+    return tensor_spec.for_trace(device)
+  return tensor_spec.materialize(device)
 
 
 def describe_arg_spec(spec: ArgSpec) -> str:

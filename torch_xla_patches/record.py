@@ -315,9 +315,12 @@ class ReplayTemplate:
     zeros of the recorded sizes (with the live input's sharding under SPMD),
     recorded numbers. Raises RecordError if the record fails a check."""
     specs = self.check(record)
+    # Replayed inside a warm-up's placeholder call: traced on placeholders
+    # (see [Note: Syncs wait for placeholder graphs] in io_utils.py).
+    for_trace = io_utils.placeholder_traces.on_this_thread()
     args: List[Any] = [
-        None if spec is None else io_utils.arg_from_spec(spec, device)
-        for spec in specs
+        None if spec is None else io_utils.arg_from_spec(
+            spec, device, for_trace) for spec in specs
     ]
     for position, tensor in self.fixed:
       args[position] = tensor

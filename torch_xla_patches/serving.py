@@ -72,6 +72,7 @@ import torch
 from torch_xla_patches import artifact
 from torch_xla_patches import call_spec
 from torch_xla_patches import config
+from torch_xla_patches import execution
 from torch_xla_patches import serialization
 from torch_xla_patches import serializable_backend
 from torch_xla_patches import versions
@@ -210,12 +211,32 @@ def _compile_buckets(served: ServedModel,
   once]): in the background, or, with `wait`, before returning (raising
   if a bucket's compile raised, as a batch job would want to know); `then`
   runs once they are done."""
-  served.warm_up = warmup.BackgroundWarmUp(served, buckets, tensor_pool, then)
+  needs_capture = None
+  if served.calls is not None:
+    needs_capture = functools.partial(_needs_capture, served)
+  served.warm_up = warmup.BackgroundWarmUp(served.compile_only_call,
+                                           buckets,
+                                           tensor_pool,
+                                           then,
+                                           needs_capture,
+                                           capture=served.capture_for)
+  # See [Note: Captures after the first request] in warmup.py.
+  served.first_request = served.warm_up.gate
   if wait and not served.warm_up.wait():
     failed = served.warm_up.readiness().failed
     raise RuntimeError(
         f'torch_xla_patches.serve: {len(failed)} of {len(buckets)} buckets '
         'did not compile: ' + '; '.join(failed))
+
+
+def _needs_capture(served: ServedModel, args: tuple, kwargs: Dict[str,
+                                                                  Any]) -> bool:
+  """Whether every capture `served` has made so far refuses the call (see
+  [Note: One capture per guard set]); the guards read the model's tensors
+  under the lock (see [Note: What reads the model's tensors] in
+  serialization.py)."""
+  with execution.execution_lock:
+    return not any(c.guard_check(*args, **kwargs) for c in served.captures())
 
 
 def _save(served: ServedModel, path: str, key: ServeKey) -> None:
@@ -272,7 +293,7 @@ def _refused_bucket(captures: Sequence[serialization.CompiledModel],
   import torch_xla
   device = torch_xla.device()
   for index, bucket in enumerate(buckets):
-    args, kwargs = bucket.materialize(device)
+    args, kwargs = bucket.materialize(device, for_trace=True)
     if not any(c.guard_check(*args, **kwargs) for c in captures):
       return (f'its guards refuse bucket {index} {bucket.describe()}: '
               f'{captures[0].guard_failure(*args, **kwargs)}')
@@ -328,7 +349,8 @@ def serve(model: torch.nn.Module,
     tensor_pool = {}
     import torch_xla
     args, kwargs = _example(buckets).materialize(torch_xla.device(),
-                                                 tensor_pool)
+                                                 tensor_pool,
+                                                 for_trace=True)
     first = _capture(model, key, args, kwargs)
     del args, kwargs
     if first is None:

@@ -15,7 +15,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
-from torch_xla_patches import config
+from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
 from torch_xla_patches.donation import (clear_donor_mark, data_id_of,
                                         donatable_positions, maybe_read,
@@ -257,6 +257,11 @@ class ArgumentsRestore:
   `clear_donor_marks`, a donor mark on the data a tensor gets back is cleared:
   the bridge's own, of a donating trace; a graph that marks its donors itself
   keeps its marks, as upstream's bridge leaves them.
+
+  A placeholder (see [Note: Placeholder tensors] in io_utils.py) has no
+  value to put back and no buffer a sync could read: it is not cloned, and
+  a placeholder the trace left with IR gets the data of a fresh placeholder,
+  which runs nothing.
   """
   tensors: List[torch.Tensor]
   clones: List[torch.Tensor]
@@ -266,9 +271,15 @@ class ArgumentsRestore:
   had_ir: List[bool]
   clear_donor_marks: bool
 
+  # The placeholders among the tensors, which are neither cloned nor synced.
+  placeholders: List[torch.Tensor] = dataclasses.field(default_factory=list)
+
   @classmethod
   def of(cls, tensors: Sequence[torch.Tensor],
          clear_donor_marks: bool) -> 'ArgumentsRestore':
+    placeholders = [t for t in tensors if io_utils.is_placeholder(t)]
+    if placeholders:
+      tensors = [t for t in tensors if not io_utils.is_placeholder(t)]
     tensors = list(tensors)
     # Before the clones: a clone reads its tensor.
     read = [maybe_read(t) for t in tensors]
@@ -277,7 +288,8 @@ class ArgumentsRestore:
                clones=[torch.clone(t) for t in tensors],
                read=read,
                had_ir=had_ir,
-               clear_donor_marks=clear_donor_marks)
+               clear_donor_marks=clear_donor_marks,
+               placeholders=placeholders)
 
   def __call__(self) -> None:
     """Copies each clone back into its tensor if the tensor has pending IR,
@@ -286,6 +298,10 @@ class ArgumentsRestore:
     data again, and runs nothing. The data of a tensor `read` before the
     trace is noted as read: whatever read it may hold its buffer, which a
     donating run must not take."""
+    for tensor in self.placeholders:
+      if read_since_set(tensor) or True in (
+          torch_xla._XLAC._check_tensor_need_materialization([tensor])):
+        io_utils.reset_placeholder(tensor)
     flags = torch_xla._XLAC._check_tensor_need_materialization(self.tensors)
     updated = [
         (t, c, was_read)

@@ -73,12 +73,12 @@ def _materialize(spec: Any, device,
   """(args, kwargs) of one entry of precompile's specs; CallSpec tensors are
   shared between entries through `pool` (see CallSpec.materialize)."""
   if isinstance(spec, CallSpec):
-    return spec.materialize(device, pool)
+    return spec.materialize(device, pool, for_trace=True)
   items = spec if isinstance(spec, (tuple, list)) else (spec,)
   args = []
   for item in items:
     if isinstance(item, TensorSpec):
-      args.append(item.materialize(device))
+      args.append(item.for_trace(device))
     elif isinstance(item, torch.Tensor):
       args.append(item.to(device))
     else:
@@ -117,11 +117,11 @@ def precompile(
   pool = tensor_pool if tensor_pool is not None else {}
   started = []
   for spec in specs:
-    args, kwargs = _materialize(spec, device, pool)
     start = time.perf_counter()
-    compiles = compile_without_running(compiled_fn, args, kwargs)
+    args, kwargs, compiles = _start_placeholder_call(compiled_fn, spec, device,
+                                                     pool)
     started.append((_describe(args, kwargs), start, compiles))
-    # The compiles hold the device data their graphs read, not the tensors.
+    # The compiles hold the graphs they compile, not the tensors.
     del args, kwargs
   report = []
   reported: Set[int] = set()
@@ -129,6 +129,31 @@ def precompile(
     report.append(_finished(description, start, compiles, reported))
     bar.step(report[-1])
   return report
+
+
+def _start_placeholder_call(
+    compiled_fn: Callable, spec: Any, device: Any,
+    pool: Dict[Any, torch.Tensor]) -> Tuple[tuple, Dict[str, Any], List[Any]]:
+  """(args, kwargs, compiles) of one warm-up call of `spec` on placeholders,
+  in flight until its compiles are done (see [Note: Syncs wait for
+  placeholder graphs] in io_utils.py)."""
+  import torch_xla.runtime as xr
+  if xr.is_spmd():
+    # No placeholders on a mesh (see [Note: Placeholder tensors] in
+    # io_utils.py): nothing for a sync to wait for.
+    args, kwargs = _materialize(spec, device, pool)
+    return args, kwargs, compile_without_running(compiled_fn, args, kwargs)
+  io_utils.placeholder_traces.begin()
+  try:
+    args, kwargs = _materialize(spec, device, pool)
+    compiles = compile_without_running(compiled_fn, args, kwargs)
+  except BaseException:
+    io_utils.placeholder_traces.end()
+    raise
+  finally:
+    io_utils.placeholder_traces.traced()
+  io_utils.placeholder_traces.end_when_done(compiles)
+  return args, kwargs, compiles
 
 
 def compile_without_running(compiled_fn: Callable, args: Sequence[Any],
@@ -182,6 +207,71 @@ class Readiness:
     return self.ready + len(self.failed) == self.total
 
 
+class CaptureGate:
+  """When a first start's warm-up may make the captures its buckets need.
+
+  [Note: Captures after the first request]
+  On a first start, serve() captures the model on one bucket; a bucket the
+  captures made so far refuse (a one-token decode step beside a prompt, see
+  [Note: One capture per guard set] in serving.py) needs a capture of its
+  own, which is seconds of dynamo on the host and holds the bridge's lock.
+  Made in front of the first request, it would delay that request by as
+  much. So the warm-up first compiles the buckets some capture accepts, in
+  order, then waits at this gate before the others, which opens once the
+  first request made of the served model is answered (whatever it was, a
+  raise included), once something waits for every bucket
+  (served.wait_ready(), serve(wait=True)) or the warm-up stops, or, with no
+  request in flight, config.serve_capture_delay seconds after the other
+  buckets are compiled. A first request thus waits for its own capture and
+  compile alone: a request needing a capture no bucket made yet makes it
+  itself, and the warm-up then finds it made. The warm-up makes each
+  capture (ServedModel.capture_for) before its compile-only call of the
+  bucket, outside the placeholder call, so a device sync never waits for a
+  capture (see [Note: Syncs wait for placeholder graphs] in io_utils.py).
+  A restart loads every capture (serve() checks that they accept every
+  bucket), so nothing waits here. The served model tells the gate of its
+  first request (ServedModel's first_request), once; the warm-up's own
+  calls are not requests.
+  """
+
+  def __init__(self):
+    self._condition = threading.Condition()
+    self._open = False
+    self._requests = 0
+
+  @property
+  def is_open(self) -> bool:
+    return self._open
+
+  def request_started(self) -> None:
+    with self._condition:
+      self._requests += 1
+
+  def request_answered(self) -> None:
+    with self._condition:
+      self._requests -= 1
+      self._open = True
+      self._condition.notify_all()
+
+  def open(self) -> None:
+    with self._condition:
+      self._open = True
+      self._condition.notify_all()
+
+  def wait(self, delay: float) -> None:
+    """Returns once open, or once `delay` seconds have passed with no
+    request in flight."""
+    deadline = time.monotonic() + delay
+    with self._condition:
+      while not self._open:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          if not self._requests:
+            return
+          remaining = None
+        self._condition.wait(remaining)
+
+
 class BackgroundWarmUp:
   """Compiles a served model's buckets on a daemon thread, without running
   them (see [Note: Compile-only calls] in execution.py), and tells how far
@@ -193,15 +283,33 @@ class BackgroundWarmUp:
     tensor_pool: tensors the buckets may reuse (see CallSpec.materialize).
     then: called on the warm-up thread once every bucket is compiled or
       has failed (serve() saves its artifact there).
+    needs_capture: whether the call (args, kwargs) of a bucket needs a
+      capture no capture made so far accepts; such buckets are compiled
+      after the others, once `gate` opens (see [Note: Captures after the
+      first request]). None: every bucket in order.
+    capture: makes the capture such a bucket needs, before its
+      compile-only call (so a sync never waits for a capture, see [Note:
+      Syncs wait for placeholder graphs] in io_utils.py).
   """
 
-  def __init__(self, call: Callable[..., Any], specs: Sequence[CallSpec],
+  def __init__(self,
+               call: Callable[..., Any],
+               specs: Sequence[CallSpec],
                tensor_pool: Optional[Dict[Any, torch.Tensor]],
-               then: Optional[Callable[[], None]]):
+               then: Optional[Callable[[], None]],
+               needs_capture: Optional[Callable[[tuple, Dict[str, Any]],
+                                                bool]] = None,
+               capture: Optional[Callable[[tuple, Dict[str, Any]],
+                                          None]] = None):
     self._call = call
     self._specs = list(specs)
     self._tensor_pool = tensor_pool
     self._then = then
+    self._needs_capture = needs_capture
+    self._capture = capture
+    self.gate = CaptureGate()
+    # The compiles counted for a bucket (see _finished).
+    self._reported: Set[int] = set()
     self._condition = threading.Condition()
     self._ready = 0
     self._failed: List[str] = []
@@ -224,7 +332,9 @@ class BackgroundWarmUp:
 
   def wait(self, timeout: Optional[float] = None) -> bool:
     """Waits until every bucket is compiled or has failed and `then` has
-    run, or `timeout` seconds; returns whether every bucket is compiled."""
+    run, or `timeout` seconds; returns whether every bucket is compiled.
+    Opens the gate of the buckets that need a capture of their own."""
+    self.gate.open()
     with self._condition:
       self._condition.wait_for(lambda: self._over or self._stopped, timeout)
       return self._ready == len(self._specs)
@@ -235,14 +345,22 @@ class BackgroundWarmUp:
     with self._condition:
       self._stopped = True
       self._condition.notify_all()
+    self.gate.open()
     if threading.current_thread() is not self._thread:
       self._thread.join()
 
   def _run(self) -> None:
     try:
-      started = self._start_compiles()
+      deferred = self._deferred()
+      self._finish_compiles(
+          self._start_compiles(
+              [i for i in range(len(self._specs)) if i not in deferred]))
+      # Not held while the gate is shut (sharded bucket tensors are real).
       self._tensor_pool = None
-      self._finish_compiles(started)
+      if deferred and not self._stopped:
+        self.gate.wait(config.serve_capture_delay)
+        self._finish_compiles(self._start_compiles(deferred, capture=True))
+      self._tensor_pool = None
       if self._then is not None and not self._stopped:
         self._then()
     finally:
@@ -252,30 +370,72 @@ class BackgroundWarmUp:
         self._over = True
         self._condition.notify_all()
 
-  def _start_compiles(self) -> List[Tuple[int, str, float, List[Any]]]:
-    """Traces each bucket on this thread; its compile goes to the pool."""
+  def _start_compiles(
+      self,
+      indices: Sequence[int],
+      capture: bool = False) -> List[Tuple[int, str, float, List[Any]]]:
+    """Traces each of these buckets on this thread (with `capture`, after
+    making the capture it needs); its compile goes to the pool."""
     device = torch_xla.device()
-    pool = self._tensor_pool if self._tensor_pool is not None else {}
-    started = []
-    for index, spec in enumerate(self._specs):
+    started: List[Tuple[int, str, float, List[Any]]] = []
+    for index in indices:
       if self._stopped:
         break
-      description = _describe_spec(spec)
-      start = time.perf_counter()
-      try:
-        args, kwargs = _materialize(spec, device, pool)
-        compiles = compile_without_running(self._call, args, kwargs)
-        del args, kwargs
-      except Exception as error:  # pylint: disable=broad-except
-        self._fail(index, description, error)
-        continue
-      started.append((index, description, start, compiles))
+      spec = self._specs[index]
+      if capture and self._capture is not None:
+        try:
+          args, kwargs = _materialize(spec, device, self._pool())
+          self._capture(args, kwargs)
+          del args, kwargs
+        except Exception as error:  # pylint: disable=broad-except
+          self._fail(index, _describe_spec(spec), error)
+          continue
+      self._start(index, spec, device, self._pool(), started)
     return started
+
+  def _pool(self) -> Dict[Any, torch.Tensor]:
+    if self._tensor_pool is None:
+      self._tensor_pool = {}
+    return self._tensor_pool
+
+  def _deferred(self) -> List[int]:
+    """The buckets that need a capture of their own (see [Note: Captures
+    after the first request])."""
+    device = torch_xla.device()
+    return [
+        index for index, spec in enumerate(self._specs)
+        if self._needs_a_capture(spec, device, self._pool())
+    ]
+
+  def _needs_a_capture(self, spec: Any, device: Any,
+                       pool: Dict[Any, torch.Tensor]) -> bool:
+    if self._needs_capture is None or self.gate.is_open:
+      return False
+    try:
+      args, kwargs = _materialize(spec, device, pool)
+      return self._needs_capture(args, kwargs)
+    except Exception:  # pylint: disable=broad-except
+      # Its compile-only call says what is wrong, in order.
+      return False
+
+  def _start(self, index: int, spec: Any, device: Any, pool: Dict[Any,
+                                                                  torch.Tensor],
+             started: List[Tuple[int, str, float, List[Any]]]) -> None:
+    description = _describe_spec(spec)
+    start = time.perf_counter()
+    try:
+      args, kwargs, compiles = _start_placeholder_call(self._call, spec, device,
+                                                       pool)
+      del args, kwargs
+    except Exception as error:  # pylint: disable=broad-except
+      self._fail(index, description, error)
+      return
+    started.append((index, description, start, compiles))
 
   def _finish_compiles(
       self, started: List[Tuple[int, str, float, List[Any]]]) -> None:
     """Waits for each bucket's compiles, in order, and counts it ready."""
-    reported: Set[int] = set()
+    reported = self._reported
     for index, description, start, compiles in started:
       while not self._stopped:
         _, waiting = concurrent.futures.wait(compiles, timeout=0.1)
