@@ -480,8 +480,8 @@ def test_metadata_matches_is_metadata_equal(native_module, shapes, changed,
     assert not module.metadata_matches(tensors, packed)
     assert module.metadata(tensors) != packed
     target.data = torch.zeros(target.shape[:-1], dtype=torch.float16)
-    assert module.metadata_matches(tensors, packed) == (
-        module.metadata(tensors) == packed)
+    assert module.metadata_matches(
+        tensors, packed) == (module.metadata(tensors) == packed)
   transposed = torch.zeros(2, 3).t()
   assert not module.metadata_matches([transposed],
                                      module.metadata([torch.zeros(3, 2)]))
