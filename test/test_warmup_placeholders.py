@@ -10,8 +10,8 @@ import torch
 import torch_xla
 
 import torch_xla_patches
-from torch_xla_patches import (CallSpec, TensorSpec, compile_window, io_utils,
-                               warmup)
+from torch_xla_patches import (CallSpec, TensorSpec, compile_window,
+                               dynamo_bridge, io_utils, warmup)
 
 pytestmark = pytest.mark.usefixtures('patched_bridge')
 
@@ -126,3 +126,51 @@ def test_a_sync_on_another_thread_waits_for_a_placeholder_compile(monkeypatch):
   torch.testing.assert_close(synced[0], torch.full((3,), 2.0))
   assert served.wait_ready(timeout=120)
   check(served, cpu, 2)
+
+
+def test_another_threads_read_runs_while_a_look_ahead_is_on_placeholders(
+    monkeypatch):
+  # The look-ahead on placeholders refuses nothing to other threads (see
+  # [Note: Look-ahead on placeholders] in dynamo_bridge.py).
+  run_node = dynamo_bridge.UnsupportedNodesCollector.run_node
+  looking, release = threading.Event(), threading.Event()
+
+  def held_run_node(collector, node):
+    if collector._ops.placeholders and node.op == 'call_function':
+      looking.set()
+      assert release.wait(timeout=120)
+    return run_node(collector, node)
+
+  monkeypatch.setattr(dynamo_bridge.UnsupportedNodesCollector, 'run_node',
+                      held_run_node)
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, buckets()[:1], wait=False)
+  try:
+    assert looking.wait(timeout=120)
+    pending = torch.arange(3.0, device=torch_xla.device()) * 2
+    torch.testing.assert_close(pending.cpu(), torch.tensor([0.0, 2.0, 4.0]))
+  finally:
+    release.set()
+  assert served.wait_ready(timeout=120)
+  assert served.readiness().ready == 1
+  check(served, cpu, 2)
+
+
+def test_what_reads_values_is_known_before_a_look_ahead_runs():
+  aten = torch.ops.aten
+  device = torch_xla.device()
+  x = torch.zeros(4, 3, device=device)
+  mask = torch.zeros(4, dtype=torch.bool, device=device)
+  rows = torch.zeros(2, dtype=torch.long, device=device)
+  assert dynamo_bridge._reads_values(aten.index.Tensor, (x, [mask]), {})
+  assert not dynamo_bridge._reads_values(aten.index.Tensor, (x, [rows]), {})
+  assert dynamo_bridge._reads_values(aten.nonzero.default, (x,), {})
+  assert not dynamo_bridge._reads_values(aten.mm.default, (x, x.T), {})
+
+  def traced(fn):
+    return torch.fx.symbolic_trace(fn).graph
+
+  assert dynamo_bridge._graph_reads_values(
+      traced(lambda t: torch.nonzero(t) + 1))
+  assert dynamo_bridge._graph_reads_values(traced(lambda t: t.sum().item()))
+  assert not dynamo_bridge._graph_reads_values(traced(lambda t: t.mm(t.T)))
