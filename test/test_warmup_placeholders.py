@@ -174,3 +174,21 @@ def test_what_reads_values_is_known_before_a_look_ahead_runs():
       traced(lambda t: torch.nonzero(t) + 1))
   assert dynamo_bridge._graph_reads_values(traced(lambda t: t.sum().item()))
   assert not dynamo_bridge._graph_reads_values(traced(lambda t: t.mm(t.T)))
+
+
+def test_a_probe_of_a_backend_free_op_compiles_nothing(monkeypatch):
+  # A look-ahead on placeholders asks whether a backend-free kernel falls
+  # back (see _falls_back); the answer costs no XLA program.
+  import torch_xla.debug.metrics as met
+  monkeypatch.setattr(dynamo_bridge, '_falls_back_by_op', {})
+  x = torch.zeros(4, 3, device=torch_xla.device())
+
+  def compiles():
+    data = met.metric_data('CompileTime')
+    return data[0] if data else 0
+
+  before = compiles()
+  aten = torch.ops.aten
+  assert dynamo_bridge._falls_back(aten.logcumsumexp.default, (x, 0), {})
+  assert not dynamo_bridge._falls_back(aten._safe_softmax.default, (x, -1), {})
+  assert compiles() == before

@@ -358,8 +358,10 @@ _falls_back_by_op: Dict[Any, bool] = {}
 def _falls_back(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
   """Whether the backend-free kernel of `func` reaches a CPU fallback on
   XLA tensors (logcumsumexp's does, _safe_softmax's does not): found once
-  per op by running it on zeros of the same dtypes and ranks, every size 1;
-  a probe that raises, or sees
+  per op by running it on zeros of the same dtypes and ranks, every size 1,
+  moved to the device from the host (device data: a fallback on them
+  copies them back and compiles nothing, and nothing of the probe is
+  synced, so the probe compiles no program); a probe that raises, or sees
   another thread's fallback meanwhile, says it does."""
   known = _falls_back_by_op.get(func)
   if known is not None:
@@ -367,20 +369,14 @@ def _falls_back(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
 
   def small(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type == 'xla':
-      return torch.zeros((1,) * value.dim(),
-                         dtype=value.dtype,
-                         device=value.device)
+      return torch.zeros((1,) * value.dim(), dtype=value.dtype).to(value.device)
     return value
 
   watch = _FallbackCounterWatch()
   try:
     probe_args, probe_kwargs = torch.utils._pytree.tree_map(
         small, (tuple(args), dict(kwargs)))
-    outputs = func(*probe_args, **probe_kwargs)
-    sync_alone_noting_reads([
-        t for t in torch.utils._pytree.tree_leaves(outputs)
-        if isinstance(t, torch.Tensor) and t.device.type == 'xla'
-    ])
+    func(*probe_args, **probe_kwargs)
     falls_back = bool(watch.changed())
   except Exception as error:  # pylint: disable=broad-except
     if 'Unexpected execution' in str(error):
