@@ -192,3 +192,50 @@ def test_a_probe_of_a_backend_free_op_compiles_nothing(monkeypatch):
   assert dynamo_bridge._falls_back(aten.logcumsumexp.default, (x, 0), {})
   assert not dynamo_bridge._falls_back(aten._safe_softmax.default, (x, -1), {})
   assert compiles() == before
+
+
+STAND_IN_SCRIPT = r'''
+import json
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+xr.use_spmd()
+from torch_xla_patches import TensorSpec, io_utils
+mesh = xs.Mesh(np.arange(4), (4,), ('data',))
+spec = TensorSpec((64, 8), sharding=(mesh, ('data', None)))
+tensor = spec.for_trace(torch_xla.device())
+def runs():
+  data = met.metric_data('ExecuteReplicatedTime')
+  return data[0] if data else 0
+before = runs()
+tensor.index_copy_(0, torch.tensor([3], device=tensor.device),
+                   torch.ones(1, 8, device=tensor.device))
+io_utils.reset_placeholder(tensor)
+report = dict(
+    placeholder=io_utils.is_placeholder(tensor),
+    stand_in=io_utils.is_stand_in(tensor),
+    pending=torch_xla._XLAC._check_tensor_need_materialization([tensor])[0],
+    runs=runs() - before,
+    sharding=torch_xla._XLAC._get_xla_sharding_spec(tensor))
+report['sum'] = float(tensor.sum())
+print(json.dumps(report))
+'''
+
+
+def test_a_sharded_stand_in_is_reset_to_its_data_running_nothing():
+  # A placeholder cannot be sharded; a sharded TensorSpec traces on a
+  # stand-in whose restore runs nothing (see [Note: Placeholder tensors]).
+  import json
+  from bridge_testing import run_python
+  proc = run_python(STAND_IN_SCRIPT, env={'CPU_NUM_DEVICES': '4'})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert report == dict(placeholder=True,
+                        stand_in=True,
+                        pending=False,
+                        runs=0,
+                        sharding='{devices=[4,1]0,1,2,3}',
+                        sum=0.0)

@@ -664,7 +664,11 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   """_look_ahead's work (its retry on zeros calls this one, not whatever
   stands in for _look_ahead)."""
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
-  placeholders = any(io_utils.is_placeholder(t) for t in tensor_args)
+  # A sharded stand-in holds data (see [Note: Placeholder tensors] in
+  # io_utils.py): it can be read.
+  placeholders = any(
+      io_utils.is_placeholder(t) and not io_utils.is_stand_in(t)
+      for t in tensor_args)
   # [Note: Look-ahead on placeholders]
   # The look-ahead runs the graph node by node, and a CPU fallback op or a
   # kernel that reads values runs a program on its inputs or reads their
@@ -705,7 +709,8 @@ def _zeros_for_placeholders(xla_args: Sequence[Any]) -> List[Any]:
   [Note: Look-ahead on placeholders])."""
   return [
       io_utils.zeros_on_device(a.shape, a.dtype, a.device)
-      if io_utils.is_placeholder(a) else a for a in xla_args
+      if io_utils.is_placeholder(a) and not io_utils.is_stand_in(a) else a
+      for a in xla_args
   ]
 
 
