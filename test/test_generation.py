@@ -103,7 +103,7 @@ def test_the_slot_layout_gives_eagers_tokens_across_families(family):
   # The served module itself, eagerly on CPU: one cache object for every
   # family whose attention calls the cache's update (see [Note: Slot
   # cache]); three prompts in three slots of four, decoding together.
-  from torch_xla_patches import generation
+  from torch_xla_patches import slot_cache
   model_class, config_class, extra = FAMILIES[family]
   sizes = dict(vocab_size=VOCAB,
                hidden_size=32,
@@ -130,15 +130,15 @@ def test_the_slot_layout_gives_eagers_tokens_across_families(family):
                            eos_token_id=None,
                            pad_token_id=0)
     expected.append(out[0, len(prompt):].tolist())
-  cache = generation._SlotCache(generation.CacheShape.of(model), 4, CACHE,
-                                torch.float32, 'cpu')
-  decoder = generation._SlotDecoder(model, cache,
-                                    generation.ModelCalls.of(model))
+  cache = slot_cache.SlotCache(slot_cache.CacheShape.of(model), 4, CACHE,
+                               torch.float32, 'cpu')
+  decoder = slot_cache.SlotDecoder(model, cache,
+                                   slot_cache.ModelCalls.of(model))
   slots = []
   got = [[] for _ in prompts]
   with torch.no_grad():
     for index, prompt in enumerate(prompts):
-      padded = generation.pad_prompt(prompt, BUCKETS, 0)
+      padded = slot_cache.pad_prompt(prompt, BUCKETS, 0)
       ids, _ = decoder(torch.tensor([padded.token_ids]),
                        torch.tensor([padded.first_index]),
                        slot=torch.tensor([index]))
