@@ -12,6 +12,7 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
+import hf_models
 import torch_xla_patches
 from torch_xla_patches import (CompiledAfterReady, EngineClosed,
                                GenerationEngine, GenerationRequestError,
@@ -26,15 +27,7 @@ VOCAB = 128
 
 
 def llama(device):
-  config_ = transformers.LlamaConfig(vocab_size=VOCAB,
-                                     hidden_size=32,
-                                     intermediate_size=64,
-                                     num_hidden_layers=2,
-                                     num_attention_heads=4,
-                                     num_key_value_heads=2,
-                                     max_position_embeddings=64)
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(config_).eval()
+  model = hf_models.build_one('llama', vocab_size=VOCAB)
   # Greedy references run to max_new_tokens; EOS is the engine's argument.
   model.generation_config.eos_token_id = None
   return model.to(device)
@@ -105,19 +98,13 @@ def test_the_slot_layout_gives_eagers_tokens_across_families(family):
   # cache]); three prompts in three slots of four, decoding together.
   from torch_xla_patches import slot_cache
   model_class, config_class, extra = FAMILIES[family]
-  sizes = dict(vocab_size=VOCAB,
-               hidden_size=32,
-               intermediate_size=64,
-               num_hidden_layers=2,
-               num_attention_heads=4,
-               num_key_value_heads=2,
-               max_position_embeddings=64)
-  if family == 'gpt2':
-    sizes = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2)
+  sizes = (hf_models.FAMILIES['gpt2'][2]
+           if family == 'gpt2' else hf_models.DECODER_SIZES)
+  sizes = dict(sizes, vocab_size=VOCAB, **extra)
   torch.manual_seed(0)
   model = getattr(transformers,
                   model_class)(getattr(transformers,
-                                       config_class)(**sizes, **extra)).eval()
+                                       config_class)(**sizes)).eval()
   prompts = [prompt_of(3, 1), prompt_of(6, 2), prompt_of(1, 3)]
   expected = []
   for prompt in prompts:

@@ -298,7 +298,7 @@ def module_row(forward: Any, first_token_s: float,
 
 def hf_module_table(results: Dict[tuple, Dict[str, Any]],
                     lengths: Sequence[int]) -> List[str]:
-  """Part 5's markdown table."""
+  """The markdown table of parts 5 and 7."""
   lines = [
       '| row | static cache length | first token s | step ms | host us | '
       'peak RSS MiB | dynamo frames | artifact loaded | fast calls | '
