@@ -12,6 +12,7 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
+import hf_models
 import torch_xla_patches
 from torch_xla_patches import (CompiledAfterReady, EngineClosed,
                                GenerationEngine, GenerationRequestError,
@@ -26,15 +27,7 @@ VOCAB = 128
 
 
 def llama(device):
-  config_ = transformers.LlamaConfig(vocab_size=VOCAB,
-                                     hidden_size=32,
-                                     intermediate_size=64,
-                                     num_hidden_layers=2,
-                                     num_attention_heads=4,
-                                     num_key_value_heads=2,
-                                     max_position_embeddings=64)
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(config_).eval()
+  model = hf_models.build_one('llama', vocab_size=VOCAB)
   # Greedy references run to max_new_tokens; EOS is the engine's argument.
   model.generation_config.eos_token_id = None
   return model.to(device)
@@ -103,21 +96,15 @@ def test_the_slot_layout_gives_eagers_tokens_across_families(family):
   # The served module itself, eagerly on CPU: one cache object for every
   # family whose attention calls the cache's update (see [Note: Slot
   # cache]); three prompts in three slots of four, decoding together.
-  from torch_xla_patches import generation
+  from torch_xla_patches import slot_cache
   model_class, config_class, extra = FAMILIES[family]
-  sizes = dict(vocab_size=VOCAB,
-               hidden_size=32,
-               intermediate_size=64,
-               num_hidden_layers=2,
-               num_attention_heads=4,
-               num_key_value_heads=2,
-               max_position_embeddings=64)
-  if family == 'gpt2':
-    sizes = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2)
+  sizes = (hf_models.FAMILIES['gpt2'][2]
+           if family == 'gpt2' else hf_models.DECODER_SIZES)
+  sizes = dict(sizes, vocab_size=VOCAB, **extra)
   torch.manual_seed(0)
   model = getattr(transformers,
                   model_class)(getattr(transformers,
-                                       config_class)(**sizes, **extra)).eval()
+                                       config_class)(**sizes)).eval()
   prompts = [prompt_of(3, 1), prompt_of(6, 2), prompt_of(1, 3)]
   expected = []
   for prompt in prompts:
@@ -130,15 +117,15 @@ def test_the_slot_layout_gives_eagers_tokens_across_families(family):
                            eos_token_id=None,
                            pad_token_id=0)
     expected.append(out[0, len(prompt):].tolist())
-  cache = generation._SlotCache(generation.CacheShape.of(model), 4, CACHE,
-                                torch.float32, 'cpu')
-  decoder = generation._SlotDecoder(model, cache,
-                                    generation.ModelCalls.of(model))
+  cache = slot_cache.SlotCache(slot_cache.CacheShape.of(model), 4, CACHE,
+                               torch.float32, 'cpu')
+  decoder = slot_cache.SlotDecoder(model, cache,
+                                   slot_cache.ModelCalls.of(model))
   slots = []
   got = [[] for _ in prompts]
   with torch.no_grad():
     for index, prompt in enumerate(prompts):
-      padded = generation.pad_prompt(prompt, BUCKETS, 0)
+      padded = slot_cache.pad_prompt(prompt, BUCKETS, 0)
       ids, _ = decoder(torch.tensor([padded.token_ids]),
                        torch.tensor([padded.first_index]),
                        slot=torch.tensor([index]))

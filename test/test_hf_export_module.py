@@ -10,6 +10,7 @@ import torch
 import torch_xla
 import torch_xla.debug.metrics as met
 
+import hf_models
 from torch_xla_patches import counters as bridge_counters
 
 transformers = pytest.importorskip('transformers')
@@ -22,19 +23,11 @@ LAYERS = 2
 
 
 def llama_config():
-  return transformers.LlamaConfig(vocab_size=64,
-                                  hidden_size=32,
-                                  intermediate_size=64,
-                                  num_hidden_layers=LAYERS,
-                                  num_attention_heads=4,
-                                  num_key_value_heads=2,
-                                  max_position_embeddings=64)
+  return hf_models.config('llama', num_hidden_layers=LAYERS)
 
 
 def decode_module(device):
-  config = llama_config()
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(config).eval()
+  model = hf_models.build_one('llama', num_hidden_layers=LAYERS)
   model.generation_config.cache_implementation = 'static'
   model.generation_config.use_cache = True
   model = model.to(device)

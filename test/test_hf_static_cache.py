@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch_xla
 
+import hf_models
 import torch_xla_patches
 from torch_xla_patches import CallSpec, TensorSpec, warmup
 
@@ -32,15 +33,7 @@ CACHE = 32
 
 
 def llama(device):
-  config = transformers.LlamaConfig(vocab_size=64,
-                                    hidden_size=32,
-                                    intermediate_size=64,
-                                    num_hidden_layers=2,
-                                    num_attention_heads=4,
-                                    num_key_value_heads=2,
-                                    max_position_embeddings=64)
-  torch.manual_seed(0)
-  return transformers.LlamaForCausalLM(config).eval().to(device)
+  return hf_models.build_one('llama', device)
 
 
 def cached_decoder(model, device):

@@ -55,8 +55,9 @@ LAYERS = (
     # serve(), which goes down these layers in one pass (serving.serve), and
     # the cache CLI.
     ('serving and tools', {'serving', 'cache'}),
-    # Generation over serve(): slots of one KV cache, an engine loop.
-    ('generation', {'generation'}),
+    # Generation over serve(): slots of one KV cache (slot_cache), an engine
+    # loop (generation).
+    ('generation', {'slot_cache', 'generation'}),
     # The reference HTTP server over the generation engine.
     ('reference server', {'server'}),
     ('package API', {'__init__'}),

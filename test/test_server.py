@@ -12,14 +12,11 @@ import concurrent.futures
 import http.client
 import json
 import os
-import re
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -28,10 +25,11 @@ from torch_xla_patches import generation
 from torch_xla_patches import server
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
+import server_process  # pylint: disable=g-import-not-at-top
 
 # Bounds of every wait in this file.
 HTTP_TIMEOUT = 120.0
-START_TIMEOUT = 120.0
 READY_TIMEOUT = 300.0
 STOP_TIMEOUT = 30.0
 POLL_SECONDS = 0.1
@@ -41,21 +39,14 @@ def request(port: int,
             method: str,
             path: str,
             body: Any = None,
-            raw: Optional[bytes] = None,
-            headers: Optional[Dict[str, str]] = None) -> Tuple[int, Dict, Dict]:
-  """(status, JSON payload, headers) of one request to 127.0.0.1:port."""
-  connection = http.client.HTTPConnection('127.0.0.1',
-                                          port,
-                                          timeout=HTTP_TIMEOUT)
-  try:
-    data = raw if raw is not None else (
-        None if body is None else json.dumps(body).encode())
-    connection.request(method, path, body=data, headers=headers or {})
-    response = connection.getresponse()
-    payload = json.loads(response.read() or b'{}')
-    return response.status, payload, dict(response.getheaders())
-  finally:
-    connection.close()
+            **kwargs) -> Tuple[int, Dict, Dict]:
+  """server_process.request within this file's HTTP_TIMEOUT."""
+  return server_process.request(port,
+                                method,
+                                path,
+                                body,
+                                timeout=HTTP_TIMEOUT,
+                                **kwargs)
 
 
 def get(port: int, path: str) -> Tuple[int, Dict]:
@@ -429,96 +420,38 @@ def prompts() -> List[List[int]]:
   ]
 
 
-def eager_tokens(prompt_list: List[List[int]]) -> List[List[int]]:
-  """The built-in model's greedy tokens after each prompt, unpadded, on the
-  CPU with transformers' generate()."""
-  model = server.builtin_model()
-  tokens = []
-  with torch.no_grad():
-    for prompt in prompt_list:
-      ids = torch.tensor([prompt])
-      out = model.generate(ids,
-                           attention_mask=torch.ones_like(ids),
-                           max_new_tokens=NEW_TOKENS,
-                           do_sample=False)
-      tokens.append(out[0, len(prompt):].tolist())
-  return tokens
-
-
-class ServerProcess:
-  """`python -m torch_xla_patches.server --port 0 ...` with its output in
-  files; `port` once it printed it. `first_live` and `first_ready` are the
-  answers of /live and /ready right after the port appeared."""
+class ServerProcess(server_process.ServerProcess):
+  """The server with this file's buckets, slots and cache length, strict
+  (a compile after ready fails its requests: CompiledAfterReady, 500).
+  `first_live` and `first_ready` are the answers of /live and /ready right
+  after the port appeared."""
 
   def __init__(self, cache_dir: str, log_dir: str, name: str):
-    self.stdout_path = os.path.join(log_dir, f'{name}.stdout')
-    self.stderr_path = os.path.join(log_dir, f'{name}.stderr')
-    # A compile after ready fails its requests (CompiledAfterReady: 500).
-    env = dict(os.environ, PJRT_DEVICE='CPU', XLA_PATCHES_GENERATION_STRICT='1')
-    env['PYTHONPATH'] = os.pathsep.join([REPO_ROOT, env.get('PYTHONPATH', '')])
-    with open(self.stdout_path, 'w') as out, open(self.stderr_path, 'w') as err:
-      self.process = subprocess.Popen([
-          sys.executable, '-m', 'torch_xla_patches.server', '--port', '0',
-          '--cache-dir', cache_dir, '--prompt-buckets', ','.join(
-              map(str, BUCKETS)), '--slots',
-          str(SLOTS), '--max-cache-len',
-          str(MAX_CACHE_LEN)
-      ],
-                                      stdout=out,
-                                      stderr=err,
-                                      env=env,
-                                      cwd=REPO_ROOT)
-    self.port = self._read_port()
+    super().__init__([
+        '--cache-dir', cache_dir, '--prompt-buckets', ','.join(map(
+            str, BUCKETS)), '--slots',
+        str(SLOTS), '--max-cache-len',
+        str(MAX_CACHE_LEN)
+    ],
+                     log_dir,
+                     name,
+                     env=dict(PJRT_DEVICE='CPU',
+                              XLA_PATCHES_GENERATION_STRICT='1'))
+    assert self.host == '127.0.0.1', self.host
     self.first_live = get(self.port, '/live')
     self.first_ready = get(self.port, '/ready')
-
-  def log(self) -> str:
-    with open(self.stderr_path) as f:
-      return f.read()[-4000:]
-
-  def _read_port(self) -> int:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-      with open(self.stdout_path) as f:
-        found = re.search(r'^listening on http://127\.0\.0\.1:(\d+)$', f.read(),
-                          re.M)
-      if found:
-        return int(found.group(1))
-      assert self.process.poll() is None, (
-          f'the server exited with {self.process.returncode}:\n{self.log()}')
-      time.sleep(POLL_SECONDS)
-    raise AssertionError(f'no port printed in {START_TIMEOUT} s:\n'
-                         f'{self.log()}')
 
   def wait_ready(self) -> float:
     """Seconds until /ready answered 200; every other answer is 503."""
     started = time.monotonic()
-    while time.monotonic() < started + READY_TIMEOUT:
-      status, payload = get(self.port, '/ready')
-      if status == 200:
-        return time.monotonic() - started
-      assert status == 503, (status, payload)
-      assert self.process.poll() is None, self.log()
-      time.sleep(POLL_SECONDS)
-    raise AssertionError(f'not ready in {READY_TIMEOUT} s:\n{self.log()}')
-
-  def stop(self) -> int:
-    """SIGTERM, then SIGKILL past STOP_TIMEOUT; the exit status."""
-    if self.process.poll() is None:
-      self.process.send_signal(signal.SIGTERM)
-      try:
-        self.process.wait(STOP_TIMEOUT)
-      except subprocess.TimeoutExpired:
-        self.process.kill()
-        self.process.wait(STOP_TIMEOUT)
-    return self.process.returncode
+    return self.wait_for_ok('/ready', READY_TIMEOUT, other_status=503) - started
 
 
 @pytest.fixture(scope='module')
 def expected():
   """(prompts, eager tokens)."""
   prompt_list = prompts()
-  return prompt_list, eager_tokens(prompt_list)
+  return prompt_list, server_process.eager_tokens(prompt_list, NEW_TOKENS)
 
 
 @pytest.fixture(scope='module')

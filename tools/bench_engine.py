@@ -21,21 +21,19 @@ import time
 
 import torch
 
+import tiny_llama
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_model(device):
-  import transformers
-  config = transformers.LlamaConfig(vocab_size=256,
-                                    hidden_size=64,
-                                    intermediate_size=128,
-                                    num_hidden_layers=2,
-                                    num_attention_heads=4,
-                                    num_key_value_heads=2,
-                                    max_position_embeddings=256)
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(config).eval()
-  return model.to(device)
+  return tiny_llama.build(vocab_size=256,
+                          hidden_size=64,
+                          intermediate_size=128,
+                          num_hidden_layers=2,
+                          num_attention_heads=4,
+                          num_key_value_heads=2,
+                          max_position_embeddings=256).to(device)
 
 
 def tokens_per_second(engine, prompts, new_tokens, repeats):

@@ -29,13 +29,9 @@ ratios from one run.
 """
 import argparse
 import concurrent.futures
-import http.client
 import json
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,98 +44,38 @@ sys.path.insert(0, REPO_ROOT)
 import torch  # noqa: E402
 
 from torch_xla_patches import server  # noqa: E402
+import server_process  # noqa: E402
 
-POLL_SECONDS = 0.05
-START_TIMEOUT = 120.0
 READY_TIMEOUT = 600.0
-HTTP_TIMEOUT = 300.0
-
-
-def call(port: int,
-         method: str,
-         path: str,
-         body: Any = None) -> Tuple[int, Dict[str, Any]]:
-  """(status, JSON payload) of one request to 127.0.0.1:port."""
-  connection = http.client.HTTPConnection('127.0.0.1',
-                                          port,
-                                          timeout=HTTP_TIMEOUT)
-  try:
-    data = None if body is None else json.dumps(body).encode()
-    connection.request(method, path, body=data)
-    response = connection.getresponse()
-    return response.status, json.loads(response.read() or b'{}')
-  finally:
-    connection.close()
 
 
 class Server:
-  """The server in a subprocess, with the times it took to answer."""
+  """The server in a subprocess (server_process.ServerProcess), with the
+  times it took to answer."""
 
-  def __init__(self, args: argparse.Namespace, cache_dir: str, log_path: str):
-    self.log_path = log_path
-    started = time.monotonic()
-    env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'))
-    env['PYTHONPATH'] = os.pathsep.join([REPO_ROOT, env.get('PYTHONPATH', '')])
-    self._stdout = tempfile.TemporaryFile('w+')
-    with open(log_path, 'w') as log:
-      self.process = subprocess.Popen([
-          sys.executable, '-m', 'torch_xla_patches.server', '--port', '0',
-          '--cache-dir', cache_dir, '--prompt-buckets', ','.join(
-              map(str, args.prompt_buckets)), '--slots',
-          str(args.slots), '--max-cache-len',
-          str(args.max_cache_len)
-      ],
-                                      stdout=self._stdout,
-                                      stderr=log,
-                                      env=env,
-                                      cwd=REPO_ROOT)
-    self.port = self._wait_port(started)
-    self.live_seconds = self._wait(started, '/live', START_TIMEOUT)
-    self.ready_seconds = self._wait(started, '/ready', READY_TIMEOUT)
-
-  def _failed(self, what: str) -> RuntimeError:
-    with open(self.log_path) as f:
-      return RuntimeError(f'{what}; the server\'s log ends:\n'
-                          f'{f.read()[-3000:]}')
-
-  def _wait_port(self, started: float) -> int:
-    while time.monotonic() < started + START_TIMEOUT:
-      self._stdout.seek(0)
-      found = re.search(r'^listening on http://[^:]+:(\d+)$',
-                        self._stdout.read(), re.M)
-      if found:
-        return int(found.group(1))
-      if self.process.poll() is not None:
-        raise self._failed(f'the server exited with '
-                           f'{self.process.returncode}')
-      time.sleep(POLL_SECONDS)
-    raise self._failed(f'no port printed in {START_TIMEOUT} s')
-
-  def _wait(self, started: float, path: str, timeout: float) -> float:
-    while time.monotonic() < started + timeout:
-      if call(self.port, 'GET', path)[0] == 200:
-        return time.monotonic() - started
-      if self.process.poll() is not None:
-        raise self._failed(f'the server exited with '
-                           f'{self.process.returncode}')
-      time.sleep(POLL_SECONDS)
-    raise self._failed(f'{path} not 200 within {timeout} s')
+  def __init__(self, args: argparse.Namespace, cache_dir: str, log_dir: str,
+               name: str):
+    self.process = server_process.ServerProcess([
+        '--cache-dir', cache_dir, '--prompt-buckets', ','.join(
+            map(str, args.prompt_buckets)), '--slots',
+        str(args.slots), '--max-cache-len',
+        str(args.max_cache_len)
+    ], log_dir, name)
+    self.port = self.process.port
+    started = self.process.started
+    self.live_seconds = self.process.wait_for_ok(
+        '/live', server_process.START_TIMEOUT) - started
+    self.ready_seconds = self.process.wait_for_ok('/ready',
+                                                  READY_TIMEOUT) - started
 
   def stats(self) -> Dict[str, Any]:
-    status, payload = call(self.port, 'GET', '/stats')
+    status, payload, _ = server_process.request(self.port, 'GET', '/stats')
     if status != 200:
-      raise self._failed(f'/stats answered {status}: {payload}')
+      raise self.process.failed(f'/stats answered {status}: {payload}')
     return payload
 
   def stop(self) -> None:
-    if self.process.poll() is None:
-      self.process.send_signal(signal.SIGTERM)
-      try:
-        self.process.wait(30)
-      except subprocess.TimeoutExpired:
-        self.process.kill()
-        self.process.wait(30)
-    self._stdout.close()
+    self.process.stop()
 
 
 def mixed_prompts(count: int, longest: int, vocab: int) -> List[List[int]]:
@@ -152,23 +88,6 @@ def mixed_prompts(count: int, longest: int, vocab: int) -> List[List[int]]:
   ]
 
 
-def eager_tokens(prompts: Sequence[List[int]],
-                 new_tokens: int) -> List[List[int]]:
-  """The built-in model's greedy tokens after each prompt, unpadded, with
-  transformers' generate() on the CPU."""
-  model = server.builtin_model()
-  tokens = []
-  with torch.no_grad():
-    for prompt in prompts:
-      ids = torch.tensor([prompt])
-      out = model.generate(ids,
-                           attention_mask=torch.ones_like(ids),
-                           max_new_tokens=new_tokens,
-                           do_sample=False)
-      tokens.append(out[0, len(prompt):].tolist())
-  return tokens
-
-
 def burst(port: int, prompts: Sequence[List[int]], new_tokens: int,
           threads: int) -> Tuple[List[Tuple[int, Dict]], float]:
   """Every prompt posted from `threads` threads released together; (the
@@ -179,16 +98,16 @@ def burst(port: int, prompts: Sequence[List[int]], new_tokens: int,
   answers: List[Optional[Tuple[int, Dict]]] = [None] * len(prompts)
 
   def worker():
-    barrier.wait(HTTP_TIMEOUT)
+    barrier.wait(server_process.HTTP_TIMEOUT)
     while True:
       with lock:
         if not queue:
           return
         index, prompt = queue.pop(0)
-      answers[index] = call(port, 'POST', '/generate', {
+      answers[index] = server_process.request(port, 'POST', '/generate', {
           'prompt_ids': prompt,
           'max_new_tokens': new_tokens
-      })
+      })[:2]
 
   started = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -238,7 +157,7 @@ def run_start(args, name: str, cache_dir: str, log_dir: str, prompts,
               tokens) -> Dict[str, Any]:
   """One start of the server: its times, its burst, its stats (and on the
   first start, decode throughput)."""
-  started = Server(args, cache_dir, os.path.join(log_dir, f'{name}.log'))
+  started = Server(args, cache_dir, log_dir, name.replace(' ', '_'))
   try:
     answers, seconds = burst(started.port, prompts, args.new_tokens,
                              args.threads)
@@ -320,7 +239,7 @@ def main() -> int:
   vocab = server.BUILTIN_CONFIG['vocab_size']
   prompts = mixed_prompts(args.requests, args.prompt_buckets[-1], vocab)
   # Before any server starts, so that its times are its own.
-  tokens = eager_tokens(prompts, args.new_tokens)
+  tokens = server_process.eager_tokens(prompts, args.new_tokens)
   started = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix='bench_generation_') as scratch:
     cache_dir = args.cache_dir or os.path.join(scratch, 'cache')
