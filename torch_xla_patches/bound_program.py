@@ -41,12 +41,11 @@ class BoundProgram:
   handed (serving's fast path, through its module watch) and that the free
   arguments have the signature's shapes. The run is the bridge's own (see
   [Note: One run of a compiled program] in program_run.py): free tensors
-  with pending IR are synced first, in the order of their graph arguments
-  (`free_slots` is in that order), which is the order the bridge's callable
-  syncs a call's tensors in: XLA keys a sync's program by its tensors'
-  order, so a call that a full call taught syncs what that full call
-  synced with the program that call compiled, not another one. A donated
-  argument read since its data
+  with pending IR are synced first, in their graph arguments' order
+  (`free_slots` is kept in it), as the bridge's callable syncs a call:
+  torch_xla compiles one program per sync, keyed by its tensors in order,
+  so a fast call reuses the sync program of the full calls before it
+  rather than compiling its own. A donated argument read since its data
   was set is copied for the run, arguments updated in place take their
   results (see [Note: Donating in-place updates] in donation.py; views and
   aliases of them follow). The signature is looked up and served as every
