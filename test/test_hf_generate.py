@@ -217,10 +217,13 @@ served = torch_xla_patches.serve(
     cache_dir=CACHE_DIR, wait=True)
 model.forward = served
 cache = t.static_cache(model, 1, device)
-tokens = [t.generate(model, t.PROMPTS[:1].to(device), cache) for _ in range(2)]
+tokens = [t.generate(model, t.PROMPTS[:1].to(device), cache)]
+compiles = t.xla_compiles()
+tokens.append(t.generate(model, t.PROMPTS[:1].to(device), cache))
 print(json.dumps(dict(loaded=served.loaded, tokens=tokens,
                       captures=len(served.captures()),
-                      frames=counters['stats']['unique_graphs'])))
+                      frames=counters['stats']['unique_graphs'],
+                      second_compiles=t.xla_compiles() - compiles)))
 '''
 
 
@@ -238,6 +241,8 @@ def test_a_restart_generates_without_dynamo(tmp_path):
   assert first['frames'] == 2 and restart['frames'] == 0
   assert first['captures'] == restart['captures'] == 2
   assert first['tokens'] == restart['tokens'] == [expected, expected]
+  # See test_a_second_generation_compiles_nothing.
+  assert first['second_compiles'] == restart['second_compiles'] == 0
 
 
 def test_a_cache_in_a_bucket_is_described_and_copied():
@@ -387,3 +392,66 @@ def test_a_served_model_returns_its_model_output_from_the_fast_path():
                                rtol=1e-4,
                                atol=1e-4)
   assert served.fast_calls == 2
+
+
+def xla_compiles():
+  """XLA compiles in this process so far."""
+  data = met.metric_data('CompileTime')
+  return data[0] if data else 0
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_second_generation_compiles_nothing():
+  # The first generation's full calls and the fast calls that follow sync
+  # a call's pending inputs in the same order (see [Note: Bound programs]
+  # in bound_program.py), so the second generation, fast from its prompt
+  # on, finds every sync's program compiled.
+  cpu, model = hf_models.build('llama')
+  prompts = PROMPTS[:1]
+  expected = generate(cpu, prompts, static_cache(cpu, 1, 'cpu'))
+  device = torch_xla.device()
+  served = torch_xla_patches.serve(model.forward,
+                                   buckets(static_cache(model, 1, device), 1),
+                                   wait=True)
+  model.forward = served
+  cache = static_cache(model, 1, device)
+  assert generate(model, prompts.to(device), cache) == expected
+  fast_before, compiles_before = served.fast_calls, xla_compiles()
+  assert generate(model, prompts.to(device), cache) == expected
+  assert served.fast_calls - fast_before == NEW_TOKENS
+  assert xla_compiles() - compiles_before == 0
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_a_full_call_computes_its_signature_key_once(monkeypatch):
+  # serve()'s full path: the served graph's callable computes the call's
+  # signature key, to record it, and hands it to the bridge's callable,
+  # which does not compute it again.
+  from torch_xla_patches.signature import ArgLayout
+  computed = []
+  key_function = ArgLayout.key_function
+
+  def counting_key_function(layout):
+    key_of = key_function(layout)
+
+    def counted(args):
+      computed.append(len(args))
+      return key_of(args)
+
+    return counted
+
+  monkeypatch.setattr(ArgLayout, 'key_function', counting_key_function)
+  cpu, model = hf_models.build('llama')
+  device = torch_xla.device()
+  served = torch_xla_patches.serve(
+      model,
+      [CallSpec(input_ids=TensorSpec((2, 4), torch.long), use_cache=False)],
+      wait=True)
+  ids = torch.randint(0, 64, (2, 4))
+  with torch.no_grad():
+    expected = cpu(input_ids=ids, use_cache=False).logits
+    # The full path: dynamo's guards, then the captured code.
+    computed.clear()
+    out = served.compiled(input_ids=ids.to(device), use_cache=False)
+  assert len(computed) == 1
+  torch.testing.assert_close(out.logits.cpu(), expected, rtol=1e-4, atol=1e-4)

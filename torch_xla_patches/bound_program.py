@@ -41,7 +41,11 @@ class BoundProgram:
   handed (serving's fast path, through its module watch) and that the free
   arguments have the signature's shapes. The run is the bridge's own (see
   [Note: One run of a compiled program] in program_run.py): free tensors
-  with pending IR are synced first, a donated argument read since its data
+  with pending IR are synced first, in their graph arguments' order
+  (`free_slots` is kept in it), as the bridge's callable syncs a call:
+  torch_xla compiles one program per sync, keyed by its tensors in order,
+  so a fast call reuses the sync program of the full calls before it
+  rather than compiling its own. A donated argument read since its data
   was set is copied for the run, arguments updated in place take their
   results (see [Note: Donating in-place updates] in donation.py; views and
   aliases of them follow). The signature is looked up and served as every
@@ -58,7 +62,8 @@ class BoundProgram:
     key: the signature's key.
     entry: the signature's compiled entry.
     inputs: the XLA inputs, None in the free slots.
-    free_slots: (XLA input slot, free argument index) of each free input.
+    free_slots: (XLA input slot, free argument index) of each free input,
+      in the order of their graph arguments.
     updated: the argument at each position the program updates in place.
     donated: (XLA input slot, argument) of each argument whose buffer the
       program takes over.

@@ -156,8 +156,13 @@ def extract_internal(xla_model: torch.fx.GraphModule):
 
   entries = cache.entries
 
-  def optimized_mod(*args):
-    key = key_of(args)
+  def optimized_mod(*args, key: Optional[Hashable] = None):
+    """Runs the graph on `args`. `key` is their signature key
+    (`optimized_mod.signature_cache.key_of(args)`) when the caller has
+    computed it already (serve()'s full path, which records it), else None
+    and computed here."""
+    if key is None:
+      key = key_of(args)
     synced = ()
     # Read without the lock, only to tell a new signature, whose own inputs
     # are synced before it; the look-up under the lock decides.

@@ -188,7 +188,12 @@ class XlaSerializableCallable(SerializableCallable):
         if key not in self._seen:
           self._seen[key] = record.make_record(cache.layout, every_arg)
       compiled = self._compiled
-    out = compiled(*args, *self._lifted)
+    if cache is None:
+      out = compiled(*args, *self._lifted)
+    else:
+      # The bridge's callable of this cache takes the key computed above
+      # rather than computing it again.
+      out = compiled(*args, *self._lifted, key=key)
     # The bridge unwraps a single output (upstream's convention); dynamo's
     # bytecode indexes the graph's output tuple.
     if self._single_output and not isinstance(out, (tuple, list)):

@@ -459,10 +459,13 @@ class SignatureCache:
       elif arg_idx in free_index:
         if not self.layout.kinds[arg_idx].is_tensor:
           return None
-        free_slots.append((slot, free_index[arg_idx]))
+        free_slots.append((arg_idx, slot, free_index[arg_idx]))
         inputs.append(None)
       else:
         inputs.append(args[arg_idx])
+    # In graph-argument order, the order the bridge's callable syncs a
+    # call's pending inputs in (see [Note: Bound programs]).
+    free_slots = [(slot, free) for _, slot, free in sorted(free_slots)]
 
     def source(position: int) -> BoundArgument:
       return BoundArgument(
