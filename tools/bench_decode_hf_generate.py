@@ -20,6 +20,7 @@ import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
+import torch_xla
 
 from bench_decode_common import (HF_MODEL_WORDS, HF_PROMPT, compiled_or_served,
                                  compiles, counter, hf_model, hf_prompt,
