@@ -362,6 +362,18 @@ cpp_symbolic_shape_guards = _flag('cpp_symbolic_shape_guards',
                                   BOOL,
                                   changes_program=False)
 
+# A donating signature is traced with a stand-in for each argument whose
+# buffer the program takes over: a tensor of its shape and dtype that holds no
+# buffer, so that the program compiles without execution_lock (see [Note:
+# Donors traced on stand-ins] in tracing.py). Off: the donated arguments are
+# traced themselves and the program compiles under the lock. The program is
+# the same either way.
+donor_stand_ins = _flag('donor_stand_ins',
+                        'XLA_PATCHES_DONOR_STAND_INS',
+                        True,
+                        BOOL,
+                        changes_program=False)
+
 # torch_xla's (and libtpu's) variables that never change a compiled program:
 # debugging output, metrics, cache locations and sizes.
 XLA_ENV_NOT_IN_PROGRAM: Tuple[str, ...] = (

@@ -64,9 +64,10 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                          layout: ArgLayout) -> tracing.TracedGraph:
   """Lazily traces `xla_model` on `args` and leaves the arguments as they
   were. A program whose graph holds arguments (one that updates them in
-  place: its graph is their pending IR, which the restore drops; one that
-  returns them) is compiled here; any other is returned with its tensors to
-  compile (see [Note: Compiles outside the lock] in signature_cache.py)."""
+  place, not donated: its graph is their pending IR, which the restore
+  drops; one that returns them) is compiled here; any other, a donating one
+  traced on stand-ins included, is returned with its tensors to compile (see
+  [Note: Compiles outside the lock] in signature_cache.py)."""
   tensors = [args[i] for i in layout.tensor_positions]
   # The arguments enter the graph as device data (see [Note: Threads] in
   # execution.py: not a sync of every live tensor, which races with other
@@ -84,6 +85,9 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
         tracing.compilable_elsewhere(traced)):
       return traced
     traced = tracing.trace_donating(xla_model, args, layout, restore, traced)
+    if traced.on_stand_ins and tracing.compilable_elsewhere(traced):
+      # See [Note: Donors traced on stand-ins] in tracing.py.
+      return traced
     if traced.graph_tensors:
       with alias_with_buffer_donor_config():
         compile_window.compile_graph(traced.graph_tensors)

@@ -103,10 +103,13 @@ class SignatureCache:
   for it without the lock, so a signature compiles once however many
   threads ask (one miss; the waiters count hits), and a compile that raises
   gives its error to the calls that waited for it (CompileFailed) and to no
-  other. A program whose graph holds arguments compiles under the lock, in
-  its trace: an update in place is their pending IR, which the restore
-  drops, and a returned argument's device data would be written by the
-  compile while other threads read it. So do the first signature of a graph
+  other. A program that donates the arguments it updates was traced on
+  stand-ins for them (see [Note: Donors traced on stand-ins] in
+  tracing.py): its graph is no one else's either, and it compiles so too. A
+  program whose graph holds arguments compiles under the lock, in its
+  trace: an update in place not donated is their pending IR, which the
+  restore drops, and a returned argument's device data would be written by
+  the compile while other threads read it. So do the first signature of a graph
   outside a compile-only call (dynamo's first call, whose caller holds the
   lock so that no other thread compiles the graph again) and recorded
   signatures replayed from the backlog (see backlog.py), whose drains hold

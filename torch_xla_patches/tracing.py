@@ -8,11 +8,14 @@ import functools
 import contextlib
 import os
 from numbers import Number
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import (Any, Callable, Collection, Dict, Iterator, List, Sequence,
+                    Tuple)
 
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
+from torch_xla.core import xla_builder
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from torch_xla_patches import config
@@ -442,18 +445,26 @@ class TracedGraph:
   # The tensors whose pending IR is the XLA graph to compile; empty when the
   # graph computes nothing (see OutputPlan.num_results).
   graph_tensors: List[torch.Tensor]
+  # Whether every argument the graph updates was a stand-in (see [Note:
+  # Donors traced on stand-ins]): no tensor of the graph is anyone else's.
+  on_stand_ins: bool = False
 
 
-def trace_graph(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                layout: ArgLayout) -> TracedGraph:
+def trace_graph(
+    xla_model: torch.fx.GraphModule,
+    args: Sequence[Any],
+    layout: ArgLayout,
+    stand_ins: Collection[int] = ()) -> TracedGraph:
   """Lazily traces `xla_model` on `args` and hashes the XLA graph. The
   arguments keep whatever pending IR the trace gave them: callers restore
-  them (see pending_ir_restored)."""
+  them (see pending_ir_restored). `stand_ins`: the positions holding a
+  stand-in, which has no buffer (see [Note: Donors traced on stand-ins])."""
   tensor_positions = layout.tensor_positions
   tensor_id_to_position = {
       torch_xla._XLAC._xla_get_tensor_id(args[i]): i for i in tensor_positions
   }
-  position_of_handle = _positions_by_handle(args, tensor_positions)
+  position_of_handle = _positions_by_handle(
+      args, [i for i in tensor_positions if i not in stand_ins])
   if dynamo_debug:
     print(f'Graph Module:\n{xla_model.code}')
   outputs = _flatten_outputs(xla_model(*args))
@@ -507,8 +518,9 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                    traced: TracedGraph) -> TracedGraph:
   """`traced`, a trace of `xla_model` on `args`, with donated buffers (see
   [Note: Donating in-place updates] in donation.py): where the graph updates
-  arguments itself, they are marked as donors and traced again from the
-  arguments `restore` puts back."""
+  arguments itself, it is traced again from the arguments `restore` puts
+  back, each donated one marked as a donor, or a stand-in for it (see
+  [Note: Donors traced on stand-ins])."""
   updated = [
       position for position, _ in traced.entry.output_plan.inplace_updates
   ]
@@ -520,17 +532,75 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
     return traced
   del traced
   restore()
+  trace_args = list(args)
+  stand_ins = donor_stand_ins(args, donated)
   for position in donated:
-    torch_xla._XLAC._set_buffer_donation(args[position], True)
-  traced = trace_graph(xla_model, args, layout)
+    trace_args[position] = stand_ins.get(position, args[position])
+    torch_xla._XLAC._set_buffer_donation(trace_args[position], True)
+  traced = trace_graph(xla_model, trace_args, layout, stand_ins)
   # An argument the graph writes without reading it (module state set with
   # `copy_` from another argument) is no input of the program: there is no
   # buffer to take over, and its result is a buffer of its own.
   inputs = set(traced.entry.graph_input_matcher.arg_idxs)
   donated = tuple(position for position in donated if position in inputs)
+  on_stand_ins = all(
+      position in stand_ins
+      for position, _ in traced.entry.output_plan.inplace_updates)
   if not donated:
-    return traced
+    return dataclasses.replace(traced, on_stand_ins=on_stand_ins)
   increment_counter(COUNTER_DONATED, len(donated))
   return dataclasses.replace(traced,
                              entry=dataclasses.replace(
-                                 traced.entry, donated_positions=donated))
+                                 traced.entry, donated_positions=donated),
+                             on_stand_ins=on_stand_ins)
+
+
+# [Note: Donors traced on stand-ins]
+# The XLA graph of a trace is the pending IR of its tensors: for a program
+# that updates its arguments in place, the arguments' own pending IR, which
+# the restore after the trace drops, so the program had to compile inside
+# the trace, under execution_lock, and every call of every compiled program
+# waited for that compile (a decode step writing its cache: every step of a
+# generation server, about 1-2 s). And the donor mark that makes the program
+# take an argument's buffer over sits on that buffer's device data, where a
+# sync of something else could act on it.
+# So the donating trace (trace_donating) runs on a stand-in for each donated
+# argument: a tensor of the argument's shape and dtype made by torch_xla's
+# create_placeholder_tensor, device data with no buffer. A trace reads only
+# what a stand-in has (shape, dtype); the stand-in carries the donor mark;
+# the program's parameter at its slot is matched to the argument's position
+# by the stand-in's id, as an argument's own would be, and at each run the
+# argument's buffer is passed there and taken over. The graph hash is the
+# same as on the argument, and the program the same. The graph's tensors
+# (the stand-ins, updated, and the outputs) are then no one else's: the
+# compile reads only them, runs on any thread with no lock (see [Note:
+# Compiles outside the lock] in signature_cache.py), and whatever another
+# thread does meanwhile to the argument (a run donating it, a read of its
+# size) never meets the compile. Invariants:
+#   * a stand-in never leaves the trace and its compile: its pending IR
+#     reads a buffer that does not exist, so the bridge never syncs it (the
+#     graph tensors are compiled, never run, and dropped after the compile);
+#     a device-wide sync (torch_xla.sync()) on another thread meanwhile would
+#     try to run it, and races with every other thread's tensors anyway (see
+#     [Note: Threads] in execution.py);
+#   * not under SPMD: a placeholder has no sharding, and a donating run
+#     there syncs the device's pending IR;
+#   * only arguments that trace_donating donates (not views, not aliases):
+#     a stand-in has no data to share.
+# config.donor_stand_ins off traces the arguments themselves, marked, and
+# compiles under the lock as before.
+
+
+def donor_stand_ins(args: Sequence[Any],
+                    positions: Sequence[int]) -> Dict[int, torch.Tensor]:
+  """A stand-in (see [Note: Donors traced on stand-ins]) for the argument
+  at each of `positions`, by position; none where stand-ins are off or the
+  process is SPMD."""
+  if not config.donor_stand_ins or xr.is_spmd():
+    return {}
+  return {
+      position:
+          xla_builder.create_placeholder_tensor(tuple(args[position].shape),
+                                                args[position].dtype)
+      for position in positions
+  }
