@@ -47,6 +47,7 @@ $(STAMP): setup.py torch_xla_patches/csrc/fast_path.cpp
 demo: $(STAMP)
 	$(PY) tools/bench_warmup.py --demo
 	$(PY) tools/bench_decode.py --demo --mesh --hf-generate
+	$(PY) tools/bench_genserver.py --demo
 
 # PYTEST_ARGS: e.g. test/test_patching.py, or -k name.
 PYTEST_ARGS ?= test

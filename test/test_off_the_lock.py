@@ -10,7 +10,7 @@ import torch
 import torch_xla
 
 import torch_xla_patches
-from torch_xla_patches import TensorSpec, compile_window, config
+from torch_xla_patches import TensorSpec, compile_window, tracing
 
 WIDTH = 8
 SLOTS = 4
@@ -36,14 +36,16 @@ def xla(t):
   return t.to(torch_xla.device())
 
 
-class HeldOnThread:
-  """Wraps `function` so that its call on the thread named `name` stops
-  until `release()`: `held` is set once it is stopped there, and
+class HeldOffThread:
+  """Wraps `function` so that its first call on another thread than the
+  one that made this (the new shape's own thread, or the compile pool's)
+  stops until `release()`: `held` is set once it is stopped there, and
   `released_in_time` says whether release() came before FAILURE_BOUND_S."""
 
-  def __init__(self, function, name):
+  def __init__(self, function):
     self._function = function
-    self._name = name
+    self._here = threading.current_thread()
+    self._lock = threading.Lock()
     self.held = threading.Event()
     self._released = threading.Event()
     self.released_in_time = None
@@ -52,8 +54,12 @@ class HeldOnThread:
     self._released.set()
 
   def __call__(self, *args, **kwargs):
-    if threading.current_thread().name == self._name and not self.held.is_set():
-      self.held.set()
+    with self._lock:
+      hold = (threading.current_thread() is not self._here and
+              not self.held.is_set())
+      if hold:
+        self.held.set()
+    if hold:
       self.released_in_time = self._released.wait(FAILURE_BOUND_S)
     return self._function(*args, **kwargs)
 
@@ -107,32 +113,81 @@ def decode_steps(cpu, step, rows, count, seed):
   return got, want, cache.cpu(), cache_cpu
 
 
+def held_on_new_shape(monkeypatch, held):
+  """Holds the trace or the XLA compile made off this thread."""
+  module, name = {
+      'trace': (tracing, 'trace_graph'),
+      'compile': (compile_window, 'compile_graph')
+  }[held]
+  hold = HeldOffThread(getattr(module, name))
+  monkeypatch.setattr(module, name, hold)
+  return hold
+
+
+def check_steps(outcome):
+  got, want, cache, cache_cpu = outcome
+  for g, w in zip(got, want):
+    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+  torch.testing.assert_close(cache, cache_cpu, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('held', ['trace', 'compile'])
 @pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
-def test_calls_complete_while_a_donating_program_compiles(
-    patched_bridge, monkeypatch, mode):
+def test_calls_complete_while_a_donating_signature_is_made(
+    patched_bridge, monkeypatch, mode, held):
   # A new cache size is a new signature of a program that updates its
-  # cache in place and takes its buffer over. Its XLA compile is held on
-  # the thread that asked for it; meanwhile this thread's steps of the
-  # compiled size run, on their own cache, to the end. The donated
-  # argument was traced on a stand-in, so no lock was held while it
-  # compiled (see [Note: Donors traced on stand-ins] in tracing.py).
-  assert config.donor_stand_ins
+  # cache in place and takes its buffer over. Its trace, or its XLA
+  # compile, is held on the thread that asked for it; meanwhile this
+  # thread's steps of the compiled size run, on their own cache, to the
+  # end. The trace ran on stand-ins for the arguments, and no lock was held
+  # while it traced and compiled (see [Note: Traces on stand-ins] in
+  # tracing.py).
   cpu, step = compiled_writer(mode)
   decode_steps(cpu, step, 16, 2, seed=0)  # compiled, and learned
-  held = HeldOnThread(compile_window.compile_graph, 'new-shape')
-  monkeypatch.setattr(compile_window, 'compile_graph', held)
+  hold = held_on_new_shape(monkeypatch, held)
   thread, outcome = call_in_thread(lambda: decode_steps(cpu, step, 32, 3, 1),
                                    name='new-shape')
-  assert held.held.wait(FAILURE_BOUND_S)
-  got, want, cache, cache_cpu = decode_steps(cpu, step, 16, 5, seed=2)
-  held.release()
+  assert hold.held.wait(FAILURE_BOUND_S)
+  steps = decode_steps(cpu, step, 16, 5, seed=2)
+  hold.release()
   thread.join()
-  assert held.released_in_time
-  for g, w in zip(got, want):
-    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-  torch.testing.assert_close(cache, cache_cpu, rtol=1e-4, atol=1e-4)
+  assert hold.released_in_time
+  check_steps(steps)
   assert 'error' not in outcome, outcome
-  got, want, cache, cache_cpu = outcome['result']
-  for g, w in zip(got, want):
-    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-  torch.testing.assert_close(cache, cache_cpu, rtol=1e-4, atol=1e-4)
+  check_steps(outcome['result'])
+
+
+@pytest.mark.parametrize('held', ['trace', 'compile'])
+def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
+    patched_bridge, monkeypatch, held):
+  # Under torch.compile (apply()'s default mode) a new batch size is a new
+  # dynamo graph, whose first signature the graph's first call traces and
+  # compiles. Held there, on its thread, it keeps no other thread's steps
+  # of the compiled batch size waiting.
+  torch.manual_seed(0)
+  cpu = CacheWriter().eval()
+  model = CacheWriter().eval().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  step = torch.compile(model, backend='openxla')
+  decode_steps(cpu, step, 16, 2, seed=0)
+  hold = held_on_new_shape(monkeypatch, held)
+
+  def other_batch():
+    generator = torch.Generator().manual_seed(3)
+    cache_cpu = torch.zeros(16, WIDTH)
+    cache = torch.zeros(16, WIDTH, device=torch_xla.device())
+    x = torch.randn(6, WIDTH, generator=generator)
+    slots = torch.randperm(16, generator=generator)[:6]
+    with torch.no_grad():
+      got = step(xla(x), xla(slots), cache).cpu()
+    return [got], [eager_step(cpu, x, slots, cache_cpu)], cache.cpu(), cache_cpu
+
+  thread, outcome = call_in_thread(other_batch, name='new-shape')
+  assert hold.held.wait(FAILURE_BOUND_S)
+  steps = decode_steps(cpu, step, 16, 5, seed=2)
+  hold.release()
+  thread.join()
+  assert hold.released_in_time
+  check_steps(steps)
+  assert 'error' not in outcome, outcome
+  check_steps(outcome['result'])

@@ -14,7 +14,7 @@ import warnings
 
 import itertools
 import os
-from typing import Any, Dict, Hashable, List, Sequence, Set
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -94,20 +94,38 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   return tracing.TracedGraph(entry=traced.entry, graph_tensors=[])
 
 
+def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                   layout: ArgLayout) -> Optional[tracing.DetachedTrace]:
+  """extract_graph_helper's trace of `args`, made on stand-ins for them,
+  which it neither reads nor writes, to run later with no lock (see [Note:
+  Traces on stand-ins] in tracing.py); None where the arguments must be
+  traced themselves. What it returns is compiled by the caller."""
+  stand_ins = tracing.stand_ins_for(xla_model, args, layout)
+  if stand_ins is None:
+    return None
+
+  def trace() -> tracing.TracedGraph:
+    count_epilogue_updates(xla_model)
+    return tracing.trace_on_stand_ins(xla_model, args, stand_ins, layout)
+
+  return trace
+
+
 def extract_internal(xla_model: torch.fx.GraphModule):
   """Compiles the first signature now; returns the per-call function."""
   first_args = xla_model.xla_args
   layout = ArgLayout.from_graph(xla_model, first_args, spmd=xr.is_spmd())
-  cache = SignatureCache(xla_model, layout, extract_graph_helper)
+  cache = SignatureCache(xla_model, layout, extract_graph_helper,
+                         detached_trace)
   if dynamo_debug:
     print(f'[torch_xla_patches] graph {cache.graph_id} layout: {layout.kinds}')
-  # The first signature compiles holding the lock its caller holds (dynamo's
-  # first call of the graph, which other threads must not make again).
-  first_key = cache.key_of(first_args)
-  if execution.compiling_only():
-    cache.compile_only(first_key, first_args)
-  else:
-    cache.on_miss(first_key, first_args, release_lock=False)
+  # The first signature compiles on the compile pool, as a warm-up's do
+  # (see [Note: Compiles outside the lock] in signature_cache.py): the graph
+  # is handed over before it is compiled, and the call that made it waits
+  # for that compile in the bridge's callable, where no lock is held; so do
+  # other threads' calls of that signature, and calls of other signatures
+  # go on (see execution.extracted_once).
+  cache.compile_only(cache.key_of(first_args), first_args)
   cache.queue_index_records(first_args)
   del xla_model.xla_args
 

@@ -21,22 +21,36 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # [Note: Threads]
 # Any number of threads may call compiled graphs, of one model or of many.
 # torch_xla's lazy tensors take threads; the bridge's state of a graph does
-# not on its own: the first compile of a graph (upstream's
-# xla_backend_helper compiles on the first call and then deletes the graph),
+# not on its own: the hand-over of a graph to the bridge (upstream's
+# xla_backend_helper does it on the first call and then deletes the graph),
 # the signature cache and its LRU order, the backlog, the usage log. So every
-# call of a compiled graph, from its key to its outputs (look-up, trace, run,
-# usage, backlog), and every warm-up trace hold one process-wide reentrant
-# lock, `execution_lock`: one device runs one program at a time anyway, and
-# the host work under the lock is that of a single-threaded call. The XLA
-# compile of a new signature lets it go where it can (see [Note: Compiles
-# outside the lock] in signature_cache.py), and so does the sync of a new
-# signature's own inputs (sync_before_the_lock), so that calls of compiled
-# programs go on meanwhile. The lock comes before dynamo's compile lock,
-# never after it: a capture (see [Note: What reads the model's tensors] in
-# serialization.py) and a trace's restore (see [Note: Restores and dynamo's
-# compiles] in tracing.py) take them in that order, and nothing run under
-# dynamo's compile lock waits for this one, so the two cannot deadlock. Other threads build lazy IR without the lock (a request's
-# inputs) at any time, and torch_xla's sync of every live tensor
+# call of a compiled graph, from its key to its outputs (look-up, run,
+# usage, backlog), holds one process-wide reentrant lock, `execution_lock`:
+# one device runs one program at a time anyway, and the host work under the
+# lock is that of a single-threaded call. What makes a program does not hold
+# it where it can help: a new signature is traced on stand-ins for its
+# arguments and compiled with the lock let go (see [Note: Traces on
+# stand-ins] in tracing.py and [Note: Compiles outside the lock] in
+# signature_cache.py), a graph's first signature compiles on the compile
+# pool once the graph is handed over (extracted_once), and a new
+# signature's own inputs are synced before the lock (sync_before_the_lock),
+# so that calls of compiled programs go on meanwhile. What still holds it:
+# a trace of the arguments themselves (views, aliases, SPMD; with its
+# restore), a graph's hand-over (its look-ahead run), a capture and a
+# guard check (see [Note: What reads the model's tensors] in
+# serialization.py).
+# Lock order: a graph's first-call lock (extracted_once, and the
+# serializable backend's), then execution_lock, then dynamo's compile lock
+# (a capture, a trace's restore: see [Note: Restores and dynamo's compiles]
+# in tracing.py), then the compile pool's own lock, which guards its queue
+# alone. A compile in flight is waited for through its future with no lock
+# held (the waiter lets execution_lock go whole). No thread takes a lock
+# earlier in that order while it holds a later one: nothing calls a
+# compiled graph under execution_lock or under dynamo's compile lock (a
+# graph's first call runs in dynamo's transformed code, after its compile),
+# and nothing run under dynamo's compile lock waits for execution_lock; so
+# they cannot deadlock. Other threads build lazy IR without the lock (a
+# request's inputs) at any time, and torch_xla's sync of every live tensor
 # (torch_xla.sync()) races with them (measured: "Check failed:
 # data()->tensor_data" reading the shape of a tensor another thread had just
 # moved to the device). So nothing here syncs the device
@@ -113,27 +127,40 @@ def note_compile(future: Any) -> None:
     compiles.append(future)
 
 
-def holding_execution_lock(compiled: Callable[..., Any]) -> Callable[..., Any]:
-  """`compiled` (torch's callable of an AOTAutograd graph, which compiles on
-  its first call and then calls the bridge), called under execution_lock
-  (see [Note: Threads]) until a call of it has returned: the bridge's
-  callable it calls from then on takes the lock itself, and lets it go for
-  a compile (see [Note: Compiles outside the lock] in signature_cache.py),
-  which an outer hold would prevent. A boxed function stays boxed."""
-  compiled_once = False
+def extracted_once(model: Any, extract: Callable[[Any, Sequence[Any]], Any],
+                   boxed: bool) -> Callable[..., Any]:
+  """The callable of an AOTAutograd graph `model`, in place of torch's
+  xla_backend_helper's: its first call hands the graph to the bridge,
+  `extract(model, args)`, which gives the bridge's callable; every call then
+  calls that. The hand-over is made once, by one thread, under
+  execution_lock (see [Note: Threads]): a call that comes meanwhile waits
+  for it, never makes it again. It compiles nothing itself (the first
+  signature compiles on the compile pool, see [Note: Compiles outside the
+  lock] in signature_cache.py), so every call, the first included, waits
+  for a compile in the bridge's callable, with no lock held."""
+  extracted = None
+  first_call = threading.Lock()
 
-  def locked(*args):
-    nonlocal compiled_once
-    if compiled_once:
-      return compiled(*args)
-    with execution_lock:
-      result = compiled(*args)
-      compiled_once = True
-      return result
+  def call(*args):
+    nonlocal extracted, model
+    if extracted is None:
+      with first_call:
+        if extracted is None:
+          with execution_lock:
+            extracted = extract(model, args)
+          # The bridge keeps what it needs of the graph.
+          model = None
+    return extracted(*args)
 
-  if getattr(compiled, '_boxed_call', False):
-    locked._boxed_call = True
-  return locked
+  if not boxed:
+    return call
+
+  def boxed_call(args):
+    # AOTAutograd's boxed convention: the arguments come as one list.
+    return call(*args)
+
+  boxed_call._boxed_call = True
+  return boxed_call
 
 
 class RefusedBeforeRun(RuntimeError):

@@ -8,8 +8,8 @@ import functools
 import contextlib
 import os
 from numbers import Number
-from typing import (Any, Callable, Collection, Dict, Iterator, List, Sequence,
-                    Tuple)
+from typing import (Any, Callable, Collection, Dict, Iterator, List, Optional,
+                    Sequence, Tuple)
 
 import torch
 import torch_xla
@@ -589,6 +589,127 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
 #     a stand-in has no data to share.
 # config.donor_stand_ins off traces the arguments themselves, marked, and
 # compiles under the lock as before.
+
+# [Note: Traces on stand-ins]
+# A trace needs the shapes and dtypes of its arguments, never their values
+# (nothing runs; CPU fallback ops were split off by the look-ahead before).
+# So a new signature of a graph is traced on a stand-in (see [Note: Donors
+# traced on stand-ins]) for every tensor argument, made from the
+# argument's shape and dtype alone (trace_on_stand_ins): the trace then
+# reads and writes no tensor anyone else holds, needs no restore, and runs,
+# with its compile, without execution_lock, while other threads run
+# programs that read or donate the very tensors it stands in for (a
+# parameter, a cache the model holds). The program is the one a trace on
+# the arguments makes: each stand-in is a parameter of the graph at its
+# argument's position, as the argument's own data would be. Where a stand-in
+# cannot say what the argument is, the arguments themselves are traced, under
+# the lock (stand_ins_for gives None):
+#   * two arguments that share data, or a view: the graph would lose that
+#     they are one buffer;
+#   * tensors the graph reads as attributes of its module (graph_constants),
+#     which are not arguments;
+#   * under SPMD (shardings), and a graph that marks its own donors;
+#   * a dtype torch_xla's placeholders do not have;
+#   * a graph with an op that reads values while it is traced (an item(),
+#     a CPU copy, an op whose output's shape depends on values:
+#     _VALUE_READING_OPS): a stand-in has no value to read, and running
+#     its IR would read a buffer that does not exist (the process dies).
+
+# Names (in an FX node's target) of ops whose trace runs the graph before
+# them to read values.
+_VALUE_READING_OPS = ('item', 'local_scalar_dense', 'tolist', 'nonzero',
+                      'masked_select', 'unique', 'repeat_interleave',
+                      'bincount', 'cpu', 'numpy', 'equal', 'is_nonzero',
+                      'allclose', 'histc', 'argwhere')
+
+
+def _reads_values(xla_model: torch.fx.GraphModule) -> bool:
+  """Whether a node of the graph may read tensor values while traced (see
+  [Note: Traces on stand-ins]); a CPU copy among them."""
+  for node in xla_model.graph.nodes:
+    if node.op not in ('call_function', 'call_method', 'call_module'):
+      continue
+    name = str(node.target)
+    if any(op in name for op in _VALUE_READING_OPS):
+      return True
+    device = node.kwargs.get('device')
+    if device is not None and 'cpu' in str(device):
+      return True
+  return False
+
+
+# A trace made ready on stand-ins, to run with no lock (see [Note: Traces on
+# stand-ins]).
+DetachedTrace = Callable[[], 'TracedGraph']
+
+
+def stand_ins_for(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                  layout: ArgLayout) -> Optional[List[Any]]:
+  """`args` with a stand-in for each tensor (see [Note: Traces on
+  stand-ins]); None where the arguments themselves must be traced."""
+  if (not config.donor_stand_ins or xr.is_spmd() or
+      sets_own_donors(xla_model) or graph_constants(xla_model) or
+      _reads_values(xla_model)):
+    return None
+  tensors = [args[i] for i in layout.tensor_positions]
+  if any(t.device.type != 'xla' or t._is_view() for t in tensors):
+    return None
+  if len({data_id_of(t) for t in tensors}) < len(tensors):
+    return None
+  try:
+    return _with_stand_ins(args, layout.tensor_positions)
+  except (TypeError, ValueError, KeyError, RuntimeError):
+    # A dtype torch_xla has no placeholder of.
+    return None
+
+
+def _with_stand_ins(args: Sequence[Any], positions: Sequence[int]) -> List[Any]:
+  stand_ins = list(args)
+  for position in positions:
+    stand_ins[position] = xla_builder.create_placeholder_tensor(
+        tuple(args[position].shape), args[position].dtype)
+  return stand_ins
+
+
+def trace_on_stand_ins(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                       stand_ins: List[Any], layout: ArgLayout) -> TracedGraph:
+  """Traces the signature of `args` on `stand_ins` (from stand_ins_for),
+  with donated buffers where the graph updates arguments (see [Note:
+  Donating in-place updates] in donation.py), touching no argument (see
+  [Note: Traces on stand-ins]). The graph's tensors are those computed."""
+  positions = layout.tensor_positions
+  traced = trace_graph(xla_model, stand_ins, layout, positions)
+  updated = [
+      position for position, _ in traced.entry.output_plan.inplace_updates
+  ]
+  donated = (donatable_positions(args, updated, layout)
+             if config.donate_inplace_updates and updated else ())
+  if donated:
+    # The first trace updated its stand-ins: trace again on fresh ones.
+    del traced
+    stand_ins = _with_stand_ins(args, positions)
+    for position in donated:
+      torch_xla._XLAC._set_buffer_donation(stand_ins[position], True)
+    traced = trace_graph(xla_model, stand_ins, layout, positions)
+    # See trace_donating: an argument written without being read is no
+    # input of the program.
+    inputs = set(traced.entry.graph_input_matcher.arg_idxs)
+    donated = tuple(position for position in donated if position in inputs)
+    if donated:
+      increment_counter(COUNTER_DONATED, len(donated))
+  computed = torch_xla._XLAC._check_tensor_need_materialization(
+      traced.graph_tensors) if traced.graph_tensors else []
+  # What a trace with collectives left for the next one; the compile does
+  # not need it.
+  torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
+  return TracedGraph(
+      entry=dataclasses.replace(traced.entry,
+                                signature=layout.signature_of(args),
+                                donated_positions=tuple(donated)),
+      graph_tensors=[
+          t for t, flag in zip(traced.graph_tensors, computed) if flag
+      ],
+      on_stand_ins=True)
 
 
 def donor_stand_ins(args: Sequence[Any],
