@@ -191,3 +191,27 @@ def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
   check_steps(steps)
   assert 'error' not in outcome, outcome
   check_steps(outcome['result'])
+
+
+def test_a_sync_of_every_tensor_waits_for_traces_on_stand_ins(
+    patched_bridge, monkeypatch):
+  # A stand-in's IR reads a buffer that does not exist: torch_xla.sync(),
+  # which runs every live tensor's IR, would run it (the process dies:
+  # measured with torch_xla's own sync). Made while the compile of a trace
+  # on stand-ins is held, it waits for that compile, then syncs (see [Note:
+  # Traces on stand-ins] in tracing.py).
+  cpu, step = compiled_writer('serve')
+  decode_steps(cpu, step, 16, 1, seed=0)
+  hold = held_on_new_shape(monkeypatch, 'compile')
+  thread, outcome = call_in_thread(lambda: decode_steps(cpu, step, 32, 2, 1),
+                                   name='new-shape')
+  assert hold.held.wait(FAILURE_BOUND_S)
+  pending = xla(torch.ones(3)) * 2
+  syncer, synced = call_in_thread(torch_xla.sync, name='syncer')
+  hold.release()
+  syncer.join()
+  thread.join()
+  assert 'error' not in synced, synced
+  assert 'error' not in outcome, outcome
+  check_steps(outcome['result'])
+  torch.testing.assert_close(pending.cpu(), torch.full((3,), 2.0))

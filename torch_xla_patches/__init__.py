@@ -101,7 +101,8 @@ def apply(*,
           'torch_xla_patches.apply(persistent_executables=True) must run '
           'before the first XLA computation of the process.')
     from torch_xla_patches import donation, dynamo_bridge
-    from torch_xla_patches import serialization
+    from torch_xla_patches import serialization, tracing
+    import torch_xla.torch_xla as torch_xla_module
 
     flags['persistent_executables'] = persistent_executables
     for name, value in flags.items():
@@ -123,6 +124,13 @@ def apply(*,
         backend_module, 'xla_backend_helper',
         donation.record_mutated_inputs(
             _registry.original(backend_module, 'xla_backend_helper')))
+    # A sync of every live tensor waits while traces on stand-ins are alive
+    # (see [Note: Traces on stand-ins] in tracing.py); xm.mark_step calls
+    # torch_xla.sync, torch_xla.step() the module's own.
+    for module in (torch_xla, torch_xla_module):
+      _registry.set(
+          module, 'sync',
+          tracing.waits_for_stand_ins(_registry.original(module, 'sync')))
     # torch.compile(dynamic=...) from many threads (see [Note: dynamo's
     # config from many threads]).
     eval_frame = torch_internals.dynamo_eval_frame_module()

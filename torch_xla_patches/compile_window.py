@@ -19,8 +19,8 @@ from torch_xla_patches.donation import (count_epilogue_updates, sets_own_donors,
                                         sync_alone_noting_reads)
 from torch_xla_patches.signature import ArgLayout
 from torch_xla_patches.tracing import (ArgumentsRestore, CompiledGraphEntry,
-                                       compilable_elsewhere, graph_constants,
-                                       trace_donating, trace_graph)
+                                       graph_constants, trace_donating,
+                                       trace_graph)
 
 
 def compile_graph(graph_tensors: List[torch.Tensor]) -> None:
@@ -130,15 +130,9 @@ class CompileWindow:
             [t for t, flag in zip(traced.graph_tensors, computed) if flag])
         self._in_flight.append(future)
         return traced.entry, future
-      # An in-place update: the serial path, after the compiles in flight,
-      # unless the donated arguments were traced on stand-ins (see [Note:
-      # Donors traced on stand-ins] in tracing.py).
+      # An in-place update: the serial path, after the compiles in flight.
       self.wait()
       traced = trace_donating(xla_model, args, layout, restore, traced)
-      if traced.on_stand_ins and compilable_elsewhere(traced):
-        future = self._pool.submit(compile_traced, list(traced.graph_tensors))
-        self._in_flight.append(future)
-        return traced.entry, future
       if traced.graph_tensors:
         compile_graph(traced.graph_tensors)
       return traced.entry, None
@@ -232,6 +226,9 @@ class CompilePool:
       else:
         future.set_result(result)
       finally:
+        # What the job holds (a call's arguments) goes now, not when the
+        # next job comes.
+        job = None
         with self._lock:
           self._running -= 1
           self._wakeup.notify_all()

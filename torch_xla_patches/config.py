@@ -362,12 +362,12 @@ cpp_symbolic_shape_guards = _flag('cpp_symbolic_shape_guards',
                                   BOOL,
                                   changes_program=False)
 
-# A donating signature is traced with a stand-in for each argument whose
-# buffer the program takes over: a tensor of its shape and dtype that holds no
-# buffer, so that the program compiles without execution_lock (see [Note:
-# Donors traced on stand-ins] in tracing.py). Off: the donated arguments are
-# traced themselves and the program compiles under the lock. The program is
-# the same either way.
+# A new signature is traced on stand-ins for its arguments (tensors of their
+# shapes and dtypes that hold no buffer), so that it is traced and compiled
+# without execution_lock while other calls run, a decode step that donates
+# its cache included (see [Note: Traces on stand-ins] in tracing.py). Off:
+# the arguments themselves are traced, under the lock. The program is the
+# same either way.
 donor_stand_ins = _flag('donor_stand_ins',
                         'XLA_PATCHES_DONOR_STAND_INS',
                         True,

@@ -64,10 +64,9 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                          layout: ArgLayout) -> tracing.TracedGraph:
   """Lazily traces `xla_model` on `args` and leaves the arguments as they
   were. A program whose graph holds arguments (one that updates them in
-  place, not donated: its graph is their pending IR, which the restore
-  drops; one that returns them) is compiled here; any other, a donating one
-  traced on stand-ins included, is returned with its tensors to compile (see
-  [Note: Compiles outside the lock] in signature_cache.py)."""
+  place: its graph is their pending IR, which the restore drops; one that
+  returns them) is compiled here; any other is returned with its tensors to
+  compile (see [Note: Compiles outside the lock] in signature_cache.py)."""
   tensors = [args[i] for i in layout.tensor_positions]
   # The arguments enter the graph as device data (see [Note: Threads] in
   # execution.py: not a sync of every live tensor, which races with other
@@ -85,9 +84,6 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
         tracing.compilable_elsewhere(traced)):
       return traced
     traced = tracing.trace_donating(xla_model, args, layout, restore, traced)
-    if traced.on_stand_ins and tracing.compilable_elsewhere(traced):
-      # See [Note: Donors traced on stand-ins] in tracing.py.
-      return traced
     if traced.graph_tensors:
       with alias_with_buffer_donor_config():
         compile_window.compile_graph(traced.graph_tensors)
@@ -96,19 +92,36 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
 
 def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                    layout: ArgLayout) -> Optional[tracing.DetachedTrace]:
-  """extract_graph_helper's trace of `args`, made on stand-ins for them,
+  """A trace and compile of the signature of `args` on stand-ins for them,
   which it neither reads nor writes, to run later with no lock (see [Note:
   Traces on stand-ins] in tracing.py); None where the arguments must be
-  traced themselves. What it returns is compiled by the caller."""
-  stand_ins = tracing.stand_ins_for(xla_model, args, layout)
-  if stand_ins is None:
+  traced themselves."""
+  if not tracing.can_stand_in(xla_model, args, layout):
     return None
 
-  def trace() -> tracing.TracedGraph:
-    count_epilogue_updates(xla_model)
-    return tracing.trace_on_stand_ins(xla_model, args, stand_ins, layout)
+  def trace_and_compile() -> Optional[CompiledGraphEntry]:
+    """The compiled entry; None if the trace or compile on stand-ins
+    raised: the caller traces the arguments themselves."""
+    with tracing.stand_in_window():
+      try:
+        count_epilogue_updates(xla_model)
+        traced = tracing.trace_on_stand_ins(xla_model, args, layout)
+        entry = traced.entry
+        if traced.graph_tensors:
+          # Emptied, whether or not the compile raises.
+          compile_window.compile_traced(traced.graph_tensors)
+        del traced
+      except Exception as error:  # pylint: disable=broad-except
+        # Leaving this block drops the error, whose traceback holds the
+        # trace's frames and so its stand-ins.
+        logger.debug(
+            'a trace on stand-ins raised %s: %s; tracing the '
+            'arguments',
+            type(error).__name__, error)
+        entry = None
+    return entry
 
-  return trace
+  return trace_and_compile
 
 
 def extract_internal(xla_model: torch.fx.GraphModule):

@@ -103,9 +103,8 @@ class SignatureCache:
   graph is no one else's. Elsewhere it is traced under the lock, and the
   trace leaves the arguments as they were; where every tensor of the
   program's graph is an output the trace computed (it updates no argument in
-  place and returns none, or its donated arguments were traced on stand-ins,
-  see [Note: Donors traced on stand-ins] in tracing.py), they hold no IR of
-  a tensor anyone else can reach, and the XLA compile of them (the long
+  place and returns none), they hold no IR of a tensor anyone else can
+  reach, and the XLA compile of them (the long
   part) runs without the lock too. A compile-only call (see [Note:
   Compile-only calls] in execution.py) and a graph's first signature (see
   execution.extracted_once) trace and compile on the compile pool, with no
@@ -253,28 +252,29 @@ class SignatureCache:
     self.compiling[key] = future
     clock = _CompileClock()
     try:
+      entry = None
       detached = (self._detach(self.xla_model, args, self.layout)
                   if release_lock and self._detach is not None else None)
       if detached is not None:
         with execution.execution_lock_released():
-          traced = detached()
-          if traced.graph_tensors:
-            compile_window.compile_traced(list(traced.graph_tensors))
-      else:
+          entry = detached()
+      if entry is None:
         traced = self._trace(self.xla_model, args, self.layout)
+        entry = traced.entry
         if traced.graph_tensors and release_lock:
           with execution.execution_lock_released():
-            compile_window.compile_traced(list(traced.graph_tensors))
+            compile_window.compile_traced(traced.graph_tensors)
         elif traced.graph_tensors:
-          compile_window.compile_traced(list(traced.graph_tensors))
+          compile_window.compile_traced(traced.graph_tensors)
+        del traced
     except BaseException as error:
       del self.compiling[key]
       future.set_exception(error)
       raise
-    self._add_compiled(key, traced.entry, args)
+    self._add_compiled(key, entry, args)
     del self.compiling[key]
-    future.set_result(clock.result(traced.entry))
-    return traced.entry
+    future.set_result(clock.result(entry))
+    return entry
 
   def compile_only(self, key: Hashable, args: Sequence[Any]) -> None:
     """For a compile-only call (see [Note: Compile-only calls] in
@@ -362,9 +362,16 @@ class SignatureCache:
     def trace_compile_and_add() -> SignatureCompiled:
       clock = _CompileClock()
       try:
-        traced = detached()
-        if traced.graph_tensors:
-          compile_window.compile_traced(list(traced.graph_tensors))
+        entry = detached()
+        if entry is None:
+          # Traced on the arguments after all, under the lock, as a
+          # compile-only call's trace is.
+          with execution.execution_lock:
+            traced = self._trace(self.xla_model, args, self.layout)
+          entry = traced.entry
+          if traced.graph_tensors:
+            compile_window.compile_traced(traced.graph_tensors)
+          del traced
       except Exception as error:
         with execution.execution_lock:
           del self.compiling[key]
@@ -372,9 +379,9 @@ class SignatureCache:
             f'torch_xla_patches: graph {self.graph_id}: the background '
             f'trace and compile of {signature.describe()} raised '
             f'{type(error).__name__}: {error}') from error
-      compiled = clock.result(traced.entry)
+      compiled = clock.result(entry)
       with execution.execution_lock:
-        self._add_entry(key, traced.entry)
+        self._add_entry(key, entry)
         if made is not None:
           self.usage.record(key, made)
         del self.compiling[key]

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import contextlib
 import os
+import threading
 from numbers import Number
 from typing import (Any, Callable, Collection, Dict, Iterator, List, Optional,
                     Sequence, Tuple)
@@ -445,9 +446,6 @@ class TracedGraph:
   # The tensors whose pending IR is the XLA graph to compile; empty when the
   # graph computes nothing (see OutputPlan.num_results).
   graph_tensors: List[torch.Tensor]
-  # Whether every argument the graph updates was a stand-in (see [Note:
-  # Donors traced on stand-ins]): no tensor of the graph is anyone else's.
-  on_stand_ins: bool = False
 
 
 def trace_graph(
@@ -458,7 +456,7 @@ def trace_graph(
   """Lazily traces `xla_model` on `args` and hashes the XLA graph. The
   arguments keep whatever pending IR the trace gave them: callers restore
   them (see pending_ir_restored). `stand_ins`: the positions holding a
-  stand-in, which has no buffer (see [Note: Donors traced on stand-ins])."""
+  stand-in, which has no buffer (see [Note: Traces on stand-ins])."""
   tensor_positions = layout.tensor_positions
   tensor_id_to_position = {
       torch_xla._XLAC._xla_get_tensor_id(args[i]): i for i in tensor_positions
@@ -518,9 +516,8 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                    traced: TracedGraph) -> TracedGraph:
   """`traced`, a trace of `xla_model` on `args`, with donated buffers (see
   [Note: Donating in-place updates] in donation.py): where the graph updates
-  arguments itself, it is traced again from the arguments `restore` puts
-  back, each donated one marked as a donor, or a stand-in for it (see
-  [Note: Donors traced on stand-ins])."""
+  arguments itself, they are marked as donors and traced again from the
+  arguments `restore` puts back."""
   updated = [
       position for position, _ in traced.entry.output_plan.inplace_updates
   ]
@@ -532,88 +529,58 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
     return traced
   del traced
   restore()
-  trace_args = list(args)
-  stand_ins = donor_stand_ins(args, donated)
   for position in donated:
-    trace_args[position] = stand_ins.get(position, args[position])
-    torch_xla._XLAC._set_buffer_donation(trace_args[position], True)
-  traced = trace_graph(xla_model, trace_args, layout, stand_ins)
+    torch_xla._XLAC._set_buffer_donation(args[position], True)
+  traced = trace_graph(xla_model, args, layout)
   # An argument the graph writes without reading it (module state set with
   # `copy_` from another argument) is no input of the program: there is no
   # buffer to take over, and its result is a buffer of its own.
   inputs = set(traced.entry.graph_input_matcher.arg_idxs)
   donated = tuple(position for position in donated if position in inputs)
-  on_stand_ins = all(
-      position in stand_ins
-      for position, _ in traced.entry.output_plan.inplace_updates)
   if not donated:
-    return dataclasses.replace(traced, on_stand_ins=on_stand_ins)
+    return traced
   increment_counter(COUNTER_DONATED, len(donated))
   return dataclasses.replace(traced,
                              entry=dataclasses.replace(
-                                 traced.entry, donated_positions=donated),
-                             on_stand_ins=on_stand_ins)
+                                 traced.entry, donated_positions=donated))
 
-
-# [Note: Donors traced on stand-ins]
-# The XLA graph of a trace is the pending IR of its tensors: for a program
-# that updates its arguments in place, the arguments' own pending IR, which
-# the restore after the trace drops, so the program had to compile inside
-# the trace, under execution_lock, and every call of every compiled program
-# waited for that compile (a decode step writing its cache: every step of a
-# generation server, about 1-2 s). And the donor mark that makes the program
-# take an argument's buffer over sits on that buffer's device data, where a
-# sync of something else could act on it.
-# So the donating trace (trace_donating) runs on a stand-in for each donated
-# argument: a tensor of the argument's shape and dtype made by torch_xla's
-# create_placeholder_tensor, device data with no buffer. A trace reads only
-# what a stand-in has (shape, dtype); the stand-in carries the donor mark;
-# the program's parameter at its slot is matched to the argument's position
-# by the stand-in's id, as an argument's own would be, and at each run the
-# argument's buffer is passed there and taken over. The graph hash is the
-# same as on the argument, and the program the same. The graph's tensors
-# (the stand-ins, updated, and the outputs) are then no one else's: the
-# compile reads only them, runs on any thread with no lock (see [Note:
-# Compiles outside the lock] in signature_cache.py), and whatever another
-# thread does meanwhile to the argument (a run donating it, a read of its
-# size) never meets the compile. Invariants:
-#   * a stand-in never leaves the trace and its compile: its pending IR
-#     reads a buffer that does not exist, so the bridge never syncs it (the
-#     graph tensors are compiled, never run, and dropped after the compile);
-#     a device-wide sync (torch_xla.sync()) on another thread meanwhile would
-#     try to run it, and races with every other thread's tensors anyway (see
-#     [Note: Threads] in execution.py);
-#   * not under SPMD: a placeholder has no sharding, and a donating run
-#     there syncs the device's pending IR;
-#   * only arguments that trace_donating donates (not views, not aliases):
-#     a stand-in has no data to share.
-# config.donor_stand_ins off traces the arguments themselves, marked, and
-# compiles under the lock as before.
 
 # [Note: Traces on stand-ins]
 # A trace needs the shapes and dtypes of its arguments, never their values
 # (nothing runs; CPU fallback ops were split off by the look-ahead before).
-# So a new signature of a graph is traced on a stand-in (see [Note: Donors
-# traced on stand-ins]) for every tensor argument, made from the
-# argument's shape and dtype alone (trace_on_stand_ins): the trace then
-# reads and writes no tensor anyone else holds, needs no restore, and runs,
-# with its compile, without execution_lock, while other threads run
-# programs that read or donate the very tensors it stands in for (a
-# parameter, a cache the model holds). The program is the one a trace on
-# the arguments makes: each stand-in is a parameter of the graph at its
-# argument's position, as the argument's own data would be. Where a stand-in
-# cannot say what the argument is, the arguments themselves are traced, under
-# the lock (stand_ins_for gives None):
+# So a new signature of a graph is traced on a stand-in for every tensor
+# argument (trace_on_stand_ins): a tensor of the argument's shape and dtype
+# made by torch_xla's create_placeholder_tensor, device data with no buffer.
+# The trace then reads and writes no tensor anyone else holds, needs no
+# restore, and runs, with its compile, without execution_lock, while other
+# threads run programs that read or donate the very tensors it stands in for
+# (a parameter, a cache the model holds). The program is the one a trace on
+# the arguments makes, with the same hash: each stand-in is a parameter of
+# the graph at its argument's position, matched to it by the stand-in's
+# id, and at each run the argument's buffer is passed there. A donated
+# argument's stand-in carries the donor mark (see [Note: Donating in-place
+# updates] in donation.py), which then never sits on a buffer anyone holds,
+# and the run takes the argument's buffer over. Invariants:
+#   * a stand-in never leaves its trace and compile (trace_and_compile in
+#     dynamo_bridge.py: both inside stand_in_window, which drops every
+#     stand-in before it ends, a failed trace's included): its IR reads a
+#     buffer that does not exist, so nothing may run it. The bridge never
+#     syncs it, and a sync of every live tensor (torch_xla.sync(),
+#     xm.mark_step()) waits, under apply(), until no stand-in is alive
+#     (waits_for_stand_ins);
+#   * a trace that fails on stand-ins is made again on the arguments, which
+#     raises the trace's own error where it has one.
+# Where a stand-in cannot say what the argument is, the arguments themselves
+# are traced, under the lock (can_stand_in is False):
 #   * two arguments that share data, or a view: the graph would lose that
 #     they are one buffer;
 #   * tensors the graph reads as attributes of its module (graph_constants),
 #     which are not arguments;
 #   * under SPMD (shardings), and a graph that marks its own donors;
-#   * a dtype torch_xla's placeholders do not have;
 #   * a graph with an op that reads values while it is traced (an item(),
 #     a CPU copy, an op whose output's shape depends on values:
-#     _VALUE_READING_OPS): a stand-in has no value to read, and running
-#     its IR would read a buffer that does not exist (the process dies).
+#     _VALUE_READING_OPS): running a stand-in's IR reads a buffer that does
+#     not exist, and the process dies.
 
 # Names (in an FX node's target) of ops whose trace runs the graph before
 # them to read values.
@@ -638,29 +605,24 @@ def _reads_values(xla_model: torch.fx.GraphModule) -> bool:
   return False
 
 
-# A trace made ready on stand-ins, to run with no lock (see [Note: Traces on
-# stand-ins]).
-DetachedTrace = Callable[[], 'TracedGraph']
+# A trace and compile made ready on stand-ins, to run with no lock: gives the
+# compiled entry, or None where the arguments must be traced after all (see
+# [Note: Traces on stand-ins]).
+DetachedTrace = Callable[[], Optional[CompiledGraphEntry]]
 
 
-def stand_ins_for(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                  layout: ArgLayout) -> Optional[List[Any]]:
-  """`args` with a stand-in for each tensor (see [Note: Traces on
-  stand-ins]); None where the arguments themselves must be traced."""
+def can_stand_in(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                 layout: ArgLayout) -> bool:
+  """Whether the signature of `args` may be traced on stand-ins (see
+  [Note: Traces on stand-ins])."""
   if (not config.donor_stand_ins or xr.is_spmd() or
       sets_own_donors(xla_model) or graph_constants(xla_model) or
       _reads_values(xla_model)):
-    return None
+    return False
   tensors = [args[i] for i in layout.tensor_positions]
   if any(t.device.type != 'xla' or t._is_view() for t in tensors):
-    return None
-  if len({data_id_of(t) for t in tensors}) < len(tensors):
-    return None
-  try:
-    return _with_stand_ins(args, layout.tensor_positions)
-  except (TypeError, ValueError, KeyError, RuntimeError):
-    # A dtype torch_xla has no placeholder of.
-    return None
+    return False
+  return len({data_id_of(t) for t in tensors}) == len(tensors)
 
 
 def _with_stand_ins(args: Sequence[Any], positions: Sequence[int]) -> List[Any]:
@@ -671,14 +633,71 @@ def _with_stand_ins(args: Sequence[Any], positions: Sequence[int]) -> List[Any]:
   return stand_ins
 
 
+class _StandInWindows:
+  """How many traces on stand-ins are alive, and syncs of every live
+  tensor waiting for none to be (see [Note: Traces on stand-ins])."""
+
+  def __init__(self):
+    self._changed = threading.Condition()
+    self._alive = 0
+    self._syncing = 0
+
+  @contextlib.contextmanager
+  def alive(self) -> Iterator[None]:
+    with self._changed:
+      self._changed.wait_for(lambda: not self._syncing)
+      self._alive += 1
+    try:
+      yield
+    finally:
+      with self._changed:
+        self._alive -= 1
+        self._changed.notify_all()
+
+  @contextlib.contextmanager
+  def none_alive(self) -> Iterator[None]:
+    with self._changed:
+      self._syncing += 1
+      self._changed.wait_for(lambda: not self._alive)
+    try:
+      yield
+    finally:
+      with self._changed:
+        self._syncing -= 1
+        self._changed.notify_all()
+
+
+_windows = _StandInWindows()
+
+
+def stand_in_window() -> Any:
+  """The block in which a trace's stand-ins live; they must all be dropped
+  by its end (see [Note: Traces on stand-ins])."""
+  return _windows.alive()
+
+
+def waits_for_stand_ins(sync: Callable[..., Any]) -> Callable[..., Any]:
+  """`sync` (torch_xla.sync, which runs every live tensor's IR), made when
+  no stand-in is alive (see [Note: Traces on stand-ins])."""
+
+  @functools.wraps(sync)
+  def sync_without_stand_ins(*args, **kwargs):
+    with _windows.none_alive():
+      return sync(*args, **kwargs)
+
+  return sync_without_stand_ins
+
+
 def trace_on_stand_ins(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                       stand_ins: List[Any], layout: ArgLayout) -> TracedGraph:
-  """Traces the signature of `args` on `stand_ins` (from stand_ins_for),
-  with donated buffers where the graph updates arguments (see [Note:
-  Donating in-place updates] in donation.py), touching no argument (see
-  [Note: Traces on stand-ins]). The graph's tensors are those computed."""
+                       layout: ArgLayout) -> TracedGraph:
+  """Traces the signature of `args` on stand-ins for them, with donated
+  buffers where the graph updates arguments (see [Note: Donating in-place
+  updates] in donation.py), touching no argument (see [Note: Traces on
+  stand-ins]; can_stand_in said so). The graph's tensors are those
+  computed. Call it inside stand_in_window."""
   positions = layout.tensor_positions
-  traced = trace_graph(xla_model, stand_ins, layout, positions)
+  traced = trace_graph(xla_model, _with_stand_ins(args, positions), layout,
+                       positions)
   updated = [
       position for position, _ in traced.entry.output_plan.inplace_updates
   ]
@@ -691,6 +710,7 @@ def trace_on_stand_ins(xla_model: torch.fx.GraphModule, args: Sequence[Any],
     for position in donated:
       torch_xla._XLAC._set_buffer_donation(stand_ins[position], True)
     traced = trace_graph(xla_model, stand_ins, layout, positions)
+    del stand_ins
     # See trace_donating: an argument written without being read is no
     # input of the program.
     inputs = set(traced.entry.graph_input_matcher.arg_idxs)
@@ -709,19 +729,4 @@ def trace_on_stand_ins(xla_model: torch.fx.GraphModule, args: Sequence[Any],
       graph_tensors=[
           t for t, flag in zip(traced.graph_tensors, computed) if flag
       ],
-      on_stand_ins=True)
-
-
-def donor_stand_ins(args: Sequence[Any],
-                    positions: Sequence[int]) -> Dict[int, torch.Tensor]:
-  """A stand-in (see [Note: Donors traced on stand-ins]) for the argument
-  at each of `positions`, by position; none where stand-ins are off or the
-  process is SPMD."""
-  if not config.donor_stand_ins or xr.is_spmd():
-    return {}
-  return {
-      position:
-          xla_builder.create_placeholder_tensor(tuple(args[position].shape),
-                                                args[position].dtype)
-      for position in positions
-  }
+  )
