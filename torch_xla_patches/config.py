@@ -368,8 +368,8 @@ cpp_symbolic_shape_guards = _flag('cpp_symbolic_shape_guards',
 # its cache included (see [Note: Traces on stand-ins] in tracing.py). Off:
 # the arguments themselves are traced, under the lock. The program is the
 # same either way.
-donor_stand_ins = _flag('donor_stand_ins',
-                        'XLA_PATCHES_DONOR_STAND_INS',
+stand_in_traces = _flag('stand_in_traces',
+                        'XLA_PATCHES_STAND_INS',
                         True,
                         BOOL,
                         changes_program=False)

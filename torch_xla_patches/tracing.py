@@ -615,7 +615,7 @@ def can_stand_in(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                  layout: ArgLayout) -> bool:
   """Whether the signature of `args` may be traced on stand-ins (see
   [Note: Traces on stand-ins])."""
-  if (not config.donor_stand_ins or xr.is_spmd() or
+  if (not config.stand_in_traces or xr.is_spmd() or
       sets_own_donors(xla_model) or graph_constants(xla_model) or
       _reads_values(xla_model)):
     return False
