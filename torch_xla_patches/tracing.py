@@ -688,6 +688,12 @@ def waits_for_stand_ins(sync: Callable[..., Any]) -> Callable[..., Any]:
   return sync_without_stand_ins
 
 
+def _holds_no_buffer(tensor: torch.Tensor) -> bool:
+  """Whether `tensor` is device data with no buffer (a placeholder)."""
+  return 'Data Handle: None' in torch_xla._XLAC._get_xla_tensor_debug_info(
+      tensor)
+
+
 def trace_on_stand_ins(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                        layout: ArgLayout) -> TracedGraph:
   """Traces the signature of `args` on stand-ins for them, with donated
@@ -717,6 +723,12 @@ def trace_on_stand_ins(xla_model: torch.fx.GraphModule, args: Sequence[Any],
     donated = tuple(position for position in donated if position in inputs)
     if donated:
       increment_counter(COUNTER_DONATED, len(donated))
+  # A stand-in the matching did not find would be a constant of the
+  # program, passed to every run: a buffer that does not exist.
+  if any(value is not None and _holds_no_buffer(value)
+         for value in traced.entry.graph_input_matcher.graph_input_xla_values):
+    raise UnsupportedGraphInput(
+        'a stand-in was not matched to its argument; tracing the arguments')
   computed = torch_xla._XLAC._check_tensor_need_materialization(
       traced.graph_tensors) if traced.graph_tensors else []
   # What a trace with collectives left for the next one; the compile does
