@@ -582,22 +582,34 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
 #     _VALUE_READING_OPS): running a stand-in's IR reads a buffer that does
 #     not exist, and the process dies.
 
-# Names (in an FX node's target) of ops whose trace runs the graph before
-# them to read values.
-_VALUE_READING_OPS = ('item', 'local_scalar_dense', 'tolist', 'nonzero',
-                      'masked_select', 'unique', 'repeat_interleave',
-                      'bincount', 'cpu', 'numpy', 'equal', 'is_nonzero',
-                      'allclose', 'histc', 'argwhere')
+# Names of ops whose trace runs the graph before them to read values.
+_VALUE_READING_OPS = frozenset({
+    'item', '_local_scalar_dense', 'tolist', 'nonzero', 'nonzero_static',
+    'masked_select', 'unique', '_unique', '_unique2', 'unique_consecutive',
+    'unique_dim', 'repeat_interleave', 'bincount', 'cpu', 'numpy', 'equal',
+    'is_nonzero', 'allclose', 'histc', 'argwhere'
+})
+
+
+def _op_name(node: torch.fx.Node) -> str:
+  """The bare name of the op a node calls (`nonzero` for `torch.nonzero`,
+  `aten.nonzero.default` and the method `x.nonzero()`)."""
+  target = node.target
+  if isinstance(target, str):
+    return target
+  schema = getattr(target, '_schema', None)
+  if schema is not None:
+    return schema.name.split('::')[-1]
+  return getattr(target, '__name__', '')
 
 
 def _reads_values(xla_model: torch.fx.GraphModule) -> bool:
   """Whether a node of the graph may read tensor values while traced (see
-  [Note: Traces on stand-ins]); a CPU copy among them."""
+  [Note: Traces on stand-ins]); a copy to the CPU among them."""
   for node in xla_model.graph.nodes:
-    if node.op not in ('call_function', 'call_method', 'call_module'):
+    if node.op not in ('call_function', 'call_method'):
       continue
-    name = str(node.target)
-    if any(op in name for op in _VALUE_READING_OPS):
+    if _op_name(node) in _VALUE_READING_OPS:
       return True
     device = node.kwargs.get('device')
     if device is not None and 'cpu' in str(device):
