@@ -100,17 +100,12 @@ def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
     return None
 
   def trace_and_compile() -> Optional[CompiledGraphEntry]:
-    """The compiled entry; None if the trace or compile on stand-ins
-    raised: the caller traces the arguments themselves."""
+    """The compiled entry; None if the trace on stand-ins raised: the
+    caller traces the arguments themselves. A compile's error is raised."""
     with tracing.stand_in_window():
       try:
         count_epilogue_updates(xla_model)
         traced = tracing.trace_on_stand_ins(xla_model, args, layout)
-        entry = traced.entry
-        if traced.graph_tensors:
-          # Emptied, whether or not the compile raises.
-          compile_window.compile_traced(traced.graph_tensors)
-        del traced
       except Exception as error:  # pylint: disable=broad-except
         # Leaving this block drops the error, whose traceback holds the
         # trace's frames and so its stand-ins.
@@ -118,7 +113,13 @@ def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
             'a trace on stand-ins raised %s: %s; tracing the '
             'arguments',
             type(error).__name__, error)
-        entry = None
+        return None
+      entry = traced.entry
+      graph_tensors = traced.graph_tensors
+      del traced
+      if graph_tensors:
+        # Emptied, whether or not the compile raises.
+        compile_window.compile_traced(graph_tensors)
     return entry
 
   return trace_and_compile

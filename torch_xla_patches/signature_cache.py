@@ -358,15 +358,18 @@ class SignatureCache:
     key = self.key_of(args)
     made = record.make_record(self.layout, args) if self.usage else None
     signature = self.layout.signature_of(args)
+    # The trace runs as the call would have (grad mode is per thread).
+    grad_enabled = torch.is_grad_enabled()
 
     def trace_compile_and_add() -> SignatureCompiled:
       clock = _CompileClock()
       try:
-        entry = detached()
+        with torch.set_grad_enabled(grad_enabled):
+          entry = detached()
         if entry is None:
           # Traced on the arguments after all, under the lock, as a
           # compile-only call's trace is.
-          with execution.execution_lock:
+          with execution.execution_lock, torch.set_grad_enabled(grad_enabled):
             traced = self._trace(self.xla_model, args, self.layout)
           entry = traced.entry
           if traced.graph_tensors:
