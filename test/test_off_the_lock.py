@@ -301,3 +301,40 @@ def test_revert_takes_the_sync_guard_away(patched_bridge):
   finally:
     torch_xla_patches.apply()
   assert io_utils.placeholder_traces.guarded()
+
+
+def test_a_compile_refused_by_a_look_ahead_is_made_again_after_it(
+    patched_bridge, monkeypatch):
+  # A look-ahead on placeholders refuses every execution of the process
+  # while it runs, under execution_lock, and torch_xla refuses a compile
+  # then too. A compile made off the lock meanwhile (the compile pool's) is
+  # made again once the look-ahead lets the lock go (see [Note: Compiles
+  # during a look-ahead on placeholders] in compile_window.py).
+  from torch_xla_patches import execution
+  warm_up_cache = torch_xla._XLAC._xla_warm_up_cache
+  refused = threading.Event()
+  attempts = []
+
+  def counted(tensors, devices):
+    attempts.append(torch_xla._XLAC._get_allow_execution())
+    try:
+      return warm_up_cache(tensors, devices)
+    except RuntimeError:
+      refused.set()
+      raise
+
+  monkeypatch.setattr(torch_xla._XLAC, '_xla_warm_up_cache', counted)
+  graph = [xla(torch.arange(6.0)) * 7]
+  with execution.execution_lock:
+    torch_xla._XLAC._set_allow_execution(False)
+    try:
+      thread, outcome = call_in_thread(
+          lambda: compile_window.compile_graph(graph), name='compile')
+      assert refused.wait(FAILURE_BOUND_S)
+    finally:
+      torch_xla._XLAC._set_allow_execution(True)
+  thread.join(FAILURE_BOUND_S)
+  assert not thread.is_alive()
+  assert 'error' not in outcome, outcome
+  assert attempts == [False, True]
+  torch.testing.assert_close(graph[0].cpu(), torch.arange(6.0) * 7)
