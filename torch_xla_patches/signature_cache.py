@@ -97,28 +97,29 @@ class SignatureCache:
 
   [Note: Compiles outside the lock]
   A new signature of a call that needs it (on_miss) is traced on placeholders
-  for its arguments where they can be (see [Note: Traces on
+  for its arguments where placeholders can describe them (see [Note: Traces on
   placeholders] in tracing.py), and then compiled, both with execution_lock
   let go: the trace reads and writes no tensor anyone else holds, and its
-  graph is no one else's. Elsewhere it is traced under the lock, and the
-  trace leaves the arguments as they were; where every tensor of the
-  program's graph is an output the trace computed (it updates no argument in
-  place and returns none), they hold no IR of a tensor anyone else can
-  reach, and the XLA compile of them (the long
-  part) runs without the lock too. A compile-only call (see [Note:
-  Compile-only calls] in execution.py) and a graph's first signature (see
-  execution.extracted_once) trace and compile on the compile pool, with no
-  lock where placeholders can be used. Calls of programs compiled already go on
-  meanwhile. While a signature is traced and compiled, its future is in
-  `compiling`: a call of the same signature, from any thread, waits for it
-  without the lock, so a signature compiles once however many threads ask
-  (one miss; the waiters count hits), and a compile that raises gives its
-  error to the calls that waited for it (CompileFailed) and to no other. A
-  program whose graph holds arguments compiles under the lock, in its trace:
-  an update in place not donated is their pending IR, which the restore
-  drops, and a returned argument's device data would be written by the
-  compile while other threads read it. So do recorded signatures replayed
-  from the backlog (see backlog.py), whose drains hold the lock.
+  graph is no one else's. Elsewhere it is traced under the lock, and the trace
+  leaves the arguments as they were; where every tensor of the program's graph
+  is an output the trace computed (it updates no argument in place and returns
+  none), they hold no IR of a tensor anyone else can reach, and the XLA
+  compile of them (the long part) runs without the lock too. A compile-only
+  call (see [Note: Compile-only calls] in execution.py) and a graph's first
+  signature (see execution.extracted_once) trace and compile on the compile
+  pool, with no lock where placeholders can be used (such a trace never waits
+  for a sync that waits, see [Note: Syncs wait for placeholder graphs] in
+  io_utils.py). Calls of programs compiled already go on meanwhile. While a
+  signature is traced and compiled, its future is in `compiling`: a call of
+  the same signature, from any thread, waits for it without the lock, so a
+  signature compiles once however many threads ask (one miss; the waiters
+  count hits), and a compile that raises gives its error to the calls that
+  waited for it (CompileFailed) and to no other. A program whose graph holds
+  arguments compiles under the lock, in its trace: an update in place not
+  donated is their pending IR, which the restore drops, and a returned
+  argument's device data would be written by the compile while other threads
+  read it. So do recorded signatures replayed from the backlog (see
+  backlog.py), whose drains hold the lock.
   """
 
   def __init__(self,
