@@ -107,9 +107,8 @@ def reset_placeholder(tensor: torch.Tensor) -> None:
   """Gives a placeholder the data of a fresh one: whatever IR a trace left
   on it is dropped, and nothing runs."""
   import torch_xla
-  import torch_xla.core.xla_builder as xb
-  fresh = xb.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
-  torch_xla._XLAC._replace_xla_tensor(tensor, fresh)
+  torch_xla._XLAC._replace_xla_tensor(tensor,
+                                      placeholder(tensor.shape, tensor.dtype))
 
 
 def sharded_zeros(shape: Sequence[int], dtype: torch.dtype,
