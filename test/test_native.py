@@ -458,3 +458,38 @@ def test_take_results_and_read_donations_take_lists_of_tensors(native_module):
     module.read_donations([torch.zeros(1)], [1], [True], {})
   # A tensor without sizes or strides never matches a concrete one.
   assert module.metadata([nested_tensor()]) != module.metadata([torch.zeros(2)])
+
+
+@given(shapes=st.lists(st.lists(st.integers(1, 4), max_size=3), max_size=4),
+       changed=st.integers(0, 3),
+       dtype=st.sampled_from([torch.float32, torch.int64]))
+def test_metadata_matches_is_metadata_equal(native_module, shapes, changed,
+                                            dtype):
+  """metadata_matches(tensors, packed) answers metadata(tensors) == packed:
+  for the tensors packed, after a `.data` assignment changing one tensor's
+  dtype or shape, and for lists one tensor shorter or longer."""
+  module = native_module
+  tensors = [torch.zeros(shape, dtype=dtype) for shape in shapes]
+  packed = module.metadata(tensors)
+  assert module.metadata_matches(tensors, packed)
+  assert module.metadata_matches(tensors[:-1], packed) == (not tensors)
+  assert not module.metadata_matches(tensors + [torch.zeros(1)], packed)
+  if tensors:
+    target = tensors[changed % len(tensors)]
+    target.data = torch.zeros(target.shape + (2,), dtype=dtype)
+    assert not module.metadata_matches(tensors, packed)
+    assert module.metadata(tensors) != packed
+    target.data = torch.zeros(target.shape[:-1], dtype=torch.float16)
+    assert module.metadata_matches(
+        tensors, packed) == (module.metadata(tensors) == packed)
+  transposed = torch.zeros(2, 3).t()
+  assert not module.metadata_matches([transposed],
+                                     module.metadata([torch.zeros(3, 2)]))
+  assert module.metadata_matches([nested_tensor()],
+                                 module.metadata([nested_tensor()]))
+  assert not module.metadata_matches([nested_tensor()],
+                                     module.metadata([torch.zeros(2)]))
+  with pytest.raises(TypeError, match='metadata_matches'):
+    module.metadata_matches([1], packed)
+  with pytest.raises(TypeError, match='metadata_matches'):
+    module.metadata_matches(tensors, 'not bytes')

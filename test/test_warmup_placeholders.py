@@ -10,8 +10,8 @@ import torch
 import torch_xla
 
 import torch_xla_patches
-from torch_xla_patches import (CallSpec, TensorSpec, compile_window, io_utils,
-                               warmup)
+from torch_xla_patches import (CallSpec, TensorSpec, compile_window,
+                               dynamo_bridge, io_utils, warmup)
 
 pytestmark = pytest.mark.usefixtures('patched_bridge')
 
@@ -126,3 +126,116 @@ def test_a_sync_on_another_thread_waits_for_a_placeholder_compile(monkeypatch):
   torch.testing.assert_close(synced[0], torch.full((3,), 2.0))
   assert served.wait_ready(timeout=120)
   check(served, cpu, 2)
+
+
+def test_another_threads_read_runs_while_a_look_ahead_is_on_placeholders(
+    monkeypatch):
+  # The look-ahead on placeholders refuses nothing to other threads (see
+  # [Note: Look-ahead on placeholders] in dynamo_bridge.py).
+  run_node = dynamo_bridge.UnsupportedNodesCollector.run_node
+  looking, release = threading.Event(), threading.Event()
+
+  def held_run_node(collector, node):
+    if collector._ops.placeholders and node.op == 'call_function':
+      looking.set()
+      assert release.wait(timeout=120)
+    return run_node(collector, node)
+
+  monkeypatch.setattr(dynamo_bridge.UnsupportedNodesCollector, 'run_node',
+                      held_run_node)
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, buckets()[:1], wait=False)
+  try:
+    assert looking.wait(timeout=120)
+    pending = torch.arange(3.0, device=torch_xla.device()) * 2
+    torch.testing.assert_close(pending.cpu(), torch.tensor([0.0, 2.0, 4.0]))
+  finally:
+    release.set()
+  assert served.wait_ready(timeout=120)
+  assert served.readiness().ready == 1
+  check(served, cpu, 2)
+
+
+def test_what_reads_values_is_known_before_a_look_ahead_runs():
+  aten = torch.ops.aten
+  device = torch_xla.device()
+  x = torch.zeros(4, 3, device=device)
+  mask = torch.zeros(4, dtype=torch.bool, device=device)
+  rows = torch.zeros(2, dtype=torch.long, device=device)
+  assert dynamo_bridge._reads_values(aten.index.Tensor, (x, [mask]), {})
+  assert not dynamo_bridge._reads_values(aten.index.Tensor, (x, [rows]), {})
+  assert dynamo_bridge._reads_values(aten.nonzero.default, (x,), {})
+  assert not dynamo_bridge._reads_values(aten.mm.default, (x, x.T), {})
+
+  def traced(fn):
+    return torch.fx.symbolic_trace(fn).graph
+
+  assert dynamo_bridge._graph_reads_values(
+      traced(lambda t: torch.nonzero(t) + 1))
+  assert dynamo_bridge._graph_reads_values(traced(lambda t: t.sum().item()))
+  assert not dynamo_bridge._graph_reads_values(traced(lambda t: t.mm(t.T)))
+
+
+def test_a_probe_of_a_backend_free_op_compiles_nothing(monkeypatch):
+  # A look-ahead on placeholders asks whether a backend-free kernel falls
+  # back (see _falls_back); the answer costs no XLA program.
+  import torch_xla.debug.metrics as met
+  monkeypatch.setattr(dynamo_bridge, '_falls_back_by_op', {})
+  x = torch.zeros(4, 3, device=torch_xla.device())
+
+  def compiles():
+    data = met.metric_data('CompileTime')
+    return data[0] if data else 0
+
+  before = compiles()
+  aten = torch.ops.aten
+  assert dynamo_bridge._falls_back(aten.logcumsumexp.default, (x, 0), {})
+  assert not dynamo_bridge._falls_back(aten._safe_softmax.default, (x, -1), {})
+  assert compiles() == before
+
+
+STAND_IN_SCRIPT = r'''
+import json
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+xr.use_spmd()
+from torch_xla_patches import TensorSpec, io_utils
+mesh = xs.Mesh(np.arange(4), (4,), ('data',))
+spec = TensorSpec((64, 8), sharding=(mesh, ('data', None)))
+tensor = spec.for_trace(torch_xla.device())
+def runs():
+  data = met.metric_data('ExecuteReplicatedTime')
+  return data[0] if data else 0
+before = runs()
+tensor.index_copy_(0, torch.tensor([3], device=tensor.device),
+                   torch.ones(1, 8, device=tensor.device))
+io_utils.reset_placeholder(tensor)
+report = dict(
+    placeholder=io_utils.is_placeholder(tensor),
+    stand_in=io_utils.is_stand_in(tensor),
+    pending=torch_xla._XLAC._check_tensor_need_materialization([tensor])[0],
+    runs=runs() - before,
+    sharding=torch_xla._XLAC._get_xla_sharding_spec(tensor))
+report['sum'] = float(tensor.sum())
+print(json.dumps(report))
+'''
+
+
+def test_a_sharded_stand_in_is_reset_to_its_data_running_nothing():
+  # A placeholder cannot be sharded; a sharded TensorSpec traces on a
+  # stand-in whose restore runs nothing (see [Note: Placeholder tensors]).
+  import json
+  from bridge_testing import run_python
+  proc = run_python(STAND_IN_SCRIPT, env={'CPU_NUM_DEVICES': '4'})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert report == dict(placeholder=True,
+                        stand_in=True,
+                        pending=False,
+                        runs=0,
+                        sharding='{devices=[4,1]0,1,2,3}',
+                        sum=0.0)

@@ -913,14 +913,14 @@ class BoundTensorCheck:
     self._tensors = list(tensors)
     self._metadata = _metadata(self._tensors)
     helpers = native.loaded()
-    self._native_metadata = helpers.metadata if helpers else None
+    self._native_matches = helpers.metadata_matches if helpers else None
     self._packed = helpers.metadata(self._tensors) if helpers else None
     self._check = (torch_internals.tensor_metadata_check(self._tensors)
                    if self._tensors and not helpers else None)
 
   def __call__(self) -> bool:
-    if self._native_metadata is not None:
-      return self._native_metadata(self._tensors) == self._packed
+    if self._native_matches is not None:
+      return self._native_matches(self._tensors, self._packed)
     # The C++ check also compares dispatch keys, which depend on the
     # calling thread's mode (inference_mode excludes autograd's): where it
     # refuses, the metadata itself decides.

@@ -14,7 +14,7 @@ import torch
 import torch_xla
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
-from torch_xla_patches import config, execution
+from torch_xla_patches import config
 from torch_xla_patches.donation import (count_epilogue_updates, sets_own_donors,
                                         sync_alone_noting_reads)
 from torch_xla_patches.signature import ArgLayout
@@ -26,25 +26,8 @@ from torch_xla_patches.tracing import (ArgumentsRestore, CompiledGraphEntry,
 def compile_graph(graph_tensors: List[torch.Tensor]) -> None:
   """Compiles the XLA graph whose outputs are `graph_tensors` (their pending
   IR) into XLA's computation cache, without running it. Every compile of the
-  bridge goes through here, on the main thread or on a compile worker.
-
-  [Note: Compiles during a look-ahead on placeholders]
-  A graph's look-ahead on placeholders refuses every execution of the
-  process for its duration (torch_xla's allow-execution flag, see [Note:
-  Look-ahead on placeholders] in dynamo_bridge.py), and torch_xla refuses a
-  compile then too ('Unexpected execution'), though it runs nothing. The
-  look-ahead holds execution_lock; a compile made with the lock let go (on
-  the compile pool, or a call's compile outside the lock) may meet it. Such
-  a compile is made again holding execution_lock, where no look-ahead runs:
-  the refusal comes before XLA compiles, and the graph's pending IR is
-  still there."""
-  try:
-    torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
-  except RuntimeError as error:
-    if 'Unexpected execution' not in str(error):
-      raise
-    with execution.execution_lock:
-      torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
+  bridge goes through here, on the main thread or on a compile worker."""
+  torch_xla._XLAC._xla_warm_up_cache(graph_tensors, [])
 
 
 def compile_traced(graph_tensors: List[torch.Tensor]) -> None:

@@ -12,10 +12,9 @@ import logging
 import operator
 import warnings
 
-import contextlib
 import itertools
 import os
-from typing import Any, Dict, Hashable, Iterator, List, Optional, Sequence, Set
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Set
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -306,36 +305,97 @@ _METADATA_OPS = frozenset(
      'aten::zeros_like', 'aten::ones_like', 'aten::empty_like',
      'aten::full_like', 'aten::lift_fresh', 'aten::detach', 'aten::alias'))
 
+# Ops whose XLA kernels read the values of boolean or byte index tensors
+# (they turn a mask into indices on the host).
+_MASK_INDEXING_OPS = frozenset(
+    ('aten::index', 'aten::_unsafe_index', 'aten::index_put',
+     'aten::index_put_', 'aten::_index_put_impl_'))
 
-def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
-                                                               Any]) -> bool:
-  """Whether the aten op `func` on these arguments may run an XLA program on
-  its inputs: a CPU fallback (no XLA kernel: one that only a backend-free
-  kernel implements may still reach a fallback inside it), a kernel that
-  reads values or falls back for some arguments, or a copy off the
-  device."""
-  schema = getattr(func, '_schema', None)
-  if schema is None:
-    return False
-  name = schema.name
+
+def _is_mask(value: Any) -> bool:
+  return isinstance(value,
+                    torch.Tensor) and value.dtype in (torch.bool, torch.uint8)
+
+
+def _op_reads_values(name: str, overload_name: str) -> Optional[bool]:
+  """What the aten op's name alone tells of _reads_values: True or False,
+  or None when it depends on the arguments."""
   if name in _VALUE_READING_OPS:
     return True
-  if name in ('aten::_to_copy', 'aten::to', 'aten::copy_'):
-    device = kwargs.get('device')
-    return device is not None and torch.device(device).type != 'xla'
-  if name in _METADATA_OPS or getattr(func, 'is_view', False):
+  if name in _MASK_INDEXING_OPS or name in ('aten::_to_copy', 'aten::to',
+                                            'aten::copy_'):
+    return None
+  if name in _METADATA_OPS:
     return False
-  overload = f'{name}.{schema.overload_name}' if schema.overload_name else name
+  overload = f'{name}.{overload_name}' if overload_name else name
   has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
   if has_kernel(overload, 'XLA') or has_kernel(overload,
                                                'CompositeImplicitAutograd'):
     return False
+  return None
+
+
+def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
+                                                               Any]) -> bool:
+  """Whether the aten op `func` on these arguments may run an XLA program on
+  its inputs or read their buffers: a CPU fallback (no XLA kernel: one that
+  only a backend-free kernel implements may still reach a fallback inside
+  it), a kernel that reads values or falls back for some arguments
+  (indexing with a mask), or a copy off the device."""
+  schema = getattr(func, '_schema', None)
+  if schema is None:
+    return False
+  name = schema.name
+  known = _op_reads_values(name, schema.overload_name)
+  if known is not None:
+    return known
+  if name in _MASK_INDEXING_OPS:
+    return any(
+        _is_mask(a) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+  if name in ('aten::_to_copy', 'aten::to', 'aten::copy_'):
+    device = kwargs.get('device')
+    return device is not None and torch.device(device).type != 'xla'
+  if getattr(func, 'is_view', False):
+    return False
   leaves = torch.utils._pytree.tree_leaves((args, kwargs))
   if not any(isinstance(a, torch.Tensor) for a in leaves):
     return False
-  if not has_kernel(overload, 'CompositeExplicitAutograd'):
+  overload = (f'{name}.{schema.overload_name}'
+              if schema.overload_name else name)
+  if not torch._C._dispatch_has_kernel_for_dispatch_key(
+      overload, 'CompositeExplicitAutograd'):
     return True
   return _falls_back(func, args, kwargs)
+
+
+# Tensor methods and functions of a graph dynamo hands over without
+# AOTAutograd that read their tensor's values on the host.
+_VALUE_READING_METHODS = frozenset(
+    ('item', 'tolist', 'numpy', 'cpu', '__bool__', '__int__', '__float__'))
+
+
+def _graph_reads_values(graph: torch.fx.Graph) -> bool:
+  """Whether a node of `graph` is known from its target alone to read
+  values (see [Note: Look-ahead on placeholders]): an aten op _reads_values
+  says so for any arguments, a torch function named as one of
+  _VALUE_READING_OPS (`torch.nonzero`), or a tensor method that reads
+  values (`.item()`). Ops it cannot tell are left to the look-ahead's
+  dispatch-time check."""
+  for node in graph.nodes:
+    if node.op == 'call_method':
+      if (node.target in _VALUE_READING_METHODS or
+          f'aten::{node.target}' in _VALUE_READING_OPS):
+        return True
+    elif node.op == 'call_function':
+      target = node.target
+      if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+      if isinstance(target, torch._ops.OpOverload):
+        if _op_reads_values(target._schema.name, target._schema.overload_name):
+          return True
+      elif f"aten::{getattr(target, '__name__', '')}" in _VALUE_READING_OPS:
+        return True
+  return False
 
 
 # Backend-free ops without an XLA kernel, by overload: whether a probe on
@@ -347,7 +407,9 @@ def _falls_back(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
   """Whether the backend-free kernel of `func` reaches a CPU fallback on
   XLA tensors (logcumsumexp's does, _safe_softmax's does not): found once
   per op by running it on zeros of the same dtypes and ranks, every size 1,
-  with execution allowed for that probe; a probe that raises, or sees
+  moved to the device from the host (device data: a fallback on them
+  copies them back and compiles nothing, and nothing of the probe is
+  synced, so the probe compiles no program); a probe that raises, or sees
   another thread's fallback meanwhile, says it does."""
   known = _falls_back_by_op.get(func)
   if known is not None:
@@ -355,27 +417,21 @@ def _falls_back(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
 
   def small(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type == 'xla':
-      return torch.zeros((1,) * value.dim(),
-                         dtype=value.dtype,
-                         device=value.device)
+      return torch.zeros((1,) * value.dim(), dtype=value.dtype).to(value.device)
     return value
 
-  allowed = torch_xla._XLAC._get_allow_execution()
-  torch_xla._XLAC._set_allow_execution(True)
   watch = _FallbackCounterWatch()
   try:
     probe_args, probe_kwargs = torch.utils._pytree.tree_map(
         small, (tuple(args), dict(kwargs)))
-    outputs = func(*probe_args, **probe_kwargs)
-    sync_alone_noting_reads([
-        t for t in torch.utils._pytree.tree_leaves(outputs)
-        if isinstance(t, torch.Tensor) and t.device.type == 'xla'
-    ])
+    func(*probe_args, **probe_kwargs)
     falls_back = bool(watch.changed())
-  except Exception:  # pylint: disable=broad-except
+  except Exception as error:  # pylint: disable=broad-except
+    if 'Unexpected execution' in str(error):
+      # The caller refuses execution (torch_xla.compile(full_graph=True)):
+      # the probe tells nothing of the op.
+      return True
     falls_back = True
-  finally:
-    torch_xla._XLAC._set_allow_execution(allowed)
   _falls_back_by_op[func] = falls_back
   return falls_back
 
@@ -643,30 +699,6 @@ def _run_last(graph: torch.fx.Graph, names: Sequence[str]) -> None:
       last.append(node)
 
 
-class _ExecutionRefused(Exception):
-  """torch_xla refused to run a program during a look-ahead on
-  placeholders (see [Note: Look-ahead on placeholders])."""
-
-
-@contextlib.contextmanager
-def _no_execution(placeholders: bool) -> Iterator[None]:
-  """With `placeholders`, torch_xla refuses to run any program in the block,
-  raised as _ExecutionRefused (see [Note: Look-ahead on placeholders])."""
-  if not placeholders:
-    yield
-    return
-  allowed = torch_xla._XLAC._get_allow_execution()
-  torch_xla._XLAC._set_allow_execution(False)
-  try:
-    yield
-  except RuntimeError as error:
-    if 'Unexpected execution' in str(error):
-      raise _ExecutionRefused(str(error)) from error
-    raise
-  finally:
-    torch_xla._XLAC._set_allow_execution(allowed)
-
-
 def _look_ahead(xla_model: torch.fx.GraphModule,
                 xla_args: Sequence[Any]) -> UnsupportedNodesCollector:
   """Runs `xla_model` on `xla_args` node by node, leaving the arguments as
@@ -680,39 +712,54 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   """_look_ahead's work (its retry on zeros calls this one, not whatever
   stands in for _look_ahead)."""
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
-  placeholders = any(io_utils.is_placeholder(t) for t in tensor_args)
+  # A sharded stand-in holds data (see [Note: Placeholder tensors] in
+  # io_utils.py): it can be read.
+  placeholders = any(
+      io_utils.is_placeholder(t) and not io_utils.is_stand_in(t)
+      for t in tensor_args)
+  # [Note: Look-ahead on placeholders]
+  # The look-ahead runs the graph node by node, and a CPU fallback op or a
+  # kernel that reads values runs a program on its inputs or reads their
+  # buffers, which crashes the process on a placeholder (see [Note:
+  # Placeholder tensors] in io_utils.py). So on placeholders:
+  #   * a graph with a node known from its target alone to read values
+  #     (_graph_reads_values) is looked at on zeros from the start;
+  #   * otherwise the look-ahead's dispatch mode, on this thread alone,
+  #     stops it before any op that may read values runs (_reads_values: no
+  #     XLA kernel, unless it takes no tensor, is a view, or its
+  #     backend-free kernel reached no fallback in a probe on size-1 zeros;
+  #     a kernel of torch_xla that reads values or falls back for some
+  #     arguments: _VALUE_READING_OPS, indexing with a mask), and it starts
+  #     again on zeros.
+  # The zeros have the placeholders' sizes and are made for the look-ahead
+  # alone; the partition around such ops then runs on them too (the parts'
+  # example inputs): only a graph that has such an op pays that memory.
+  # Nothing here changes what other threads may do: their eager reads and
+  # their programs run as ever (a device sync waits for the placeholder
+  # call: [Note: Syncs wait for placeholder graphs] in io_utils.py). What
+  # this rests on: every torch_xla kernel that runs a program or reads a
+  # buffer for some arguments is in _VALUE_READING_OPS or
+  # _MASK_INDEXING_OPS.
+  if placeholders and _graph_reads_values(xla_model.graph):
+    return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
   collector = UnsupportedNodesCollector(xla_model, placeholders)
   try:
-    with pending_ir_restored(tensor_args +
-                             tracing.graph_constants(xla_model)), _no_execution(
-                                 placeholders):
+    with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
       collector.run(*xla_args)
-  except (_NeedsValues, _ExecutionRefused):
-    # [Note: Look-ahead on placeholders]
-    # The look-ahead runs the graph node by node, and a CPU fallback op or
-    # a kernel that reads values runs a program on its inputs, which would
-    # crash on a placeholder (see [Note: Placeholder tensors] in
-    # io_utils.py). On placeholders, an op that may do so stops the
-    # look-ahead before it runs (_reads_values: no XLA kernel, unless it
-    # takes no tensor, is a view, or its backend-free kernel reached no
-    # fallback in a probe on size-1 zeros; or a kernel of torch_xla that
-    # reads values or falls back for some arguments), and any other
-    # execution is refused by torch_xla for the look-ahead's duration
-    # (`_set_allow_execution(False)`, which holds for every thread: under
-    # execution_lock no program of the bridge runs meanwhile,
-    # and a device sync waits for the placeholder call; another thread's
-    # eager read of pending IR in that window is refused too). Either way
-    # the look-ahead starts again on zeros of the placeholders' sizes, made
-    # for it alone, which the partition around such ops then runs on too
-    # (the parts' example inputs): only a graph that has such an op pays
-    # that memory.
-    xla_args = [
-        io_utils.zeros_on_device(a.shape, a.dtype, a.device)
-        if io_utils.is_placeholder(a) else a for a in xla_args
-    ]
-    return _look_ahead_on(xla_model, xla_args)
+  except _NeedsValues:
+    return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
   collector.arguments = xla_args
   return collector
+
+
+def _zeros_for_placeholders(xla_args: Sequence[Any]) -> List[Any]:
+  """`xla_args` with each placeholder replaced by zeros of its size (see
+  [Note: Look-ahead on placeholders])."""
+  return [
+      io_utils.zeros_on_device(a.shape, a.dtype, a.device)
+      if io_utils.is_placeholder(a) and not io_utils.is_stand_in(a) else a
+      for a in xla_args
+  ]
 
 
 # [Note: Graphs that cannot be split]

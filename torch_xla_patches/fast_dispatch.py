@@ -42,10 +42,10 @@ unchanged:
     registration hooks (an assignment or `register_*`), by `train()` /
     `eval()` and by dtype and device conversions (`to`, `half`, ...);
   * every tensor the plan binds has the dtype, device, sizes and strides it
-    had (one C++ call: the native module's metadata, else dynamo's tensor
-    guards): a `.data`
-    assignment or `torch.utils.swap_tensors` changes the tensor behind the
-    same object without any hook;
+    had (one C++ call: the native module's metadata_matches, compared in
+    place, else dynamo's tensor guards): a `.data` assignment or
+    `torch.utils.swap_tensors` changes the tensor behind the same object
+    without any hook;
   * the global state the captured code sets back, and the globals its
     result is built with (the result's class, `object`, `type`), are the
     objects the learned call found (a few attribute reads);
@@ -55,7 +55,9 @@ unchanged:
     full path served.
 Costs per call (docs/fast-path.md, "What the fast path checks"): global
 state 0.6 us, modes and hooks 0.2 us, module generation 0.05 us, the key
-0.7 us per tensor argument, bound tensors one C++ call.
+0.7 us per tensor argument, bound tensors one C++ call of about 0.03 us
+per tensor with the tensors in the CPU caches and 0.09 us after a run has
+evicted them (4 and 11 us for 128).
 Anything else takes the full path, counted per reason (COUNTER_FALLBACK_*);
 a full call whose guards fail goes to the capture whose guards accept it,
 else a new capture (COUNTER_CAPTURED_AGAIN), else a re-trace

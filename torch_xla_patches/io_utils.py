@@ -79,36 +79,73 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
 # guard not installed (no apply(), or after revert()) or
 # config.trace_on_placeholders off, nothing traces on placeholders
 # (TensorSpec.for_trace makes zeros). A placeholder cannot be sharded
-# (`mark_sharding` copies the tensor's data), so a sharded TensorSpec is
-# zeros made on the device already split (`sharded_zeros`): one copy over
-# the mesh, never a replicated one.
+# (`mark_sharding` copies the tensor's data, and a sharding annotation on
+# its IR is a node of the program), so a sharded TensorSpec is a sharded
+# stand-in (`sharded_stand_in`): zeros made on the device already split
+# (one copy over the mesh, never a replicated one), which a trace treats as
+# a placeholder too. It keeps a second tensor on the same data (its
+# keeper, which nothing traces): the restore gives the stand-in the
+# keeper's data back instead of copying a clone into it and syncing, so
+# nothing runs and no second copy is made.
 _placeholders: Dict[int, Any] = {}
+# id(stand-in) -> its keeper (see sharded_stand_in).
+_keepers: Dict[int, torch.Tensor] = {}
 
 
 def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
   """A tensor of `shape` and `dtype` on the XLA device that holds no
   buffer (see [Note: Placeholder tensors])."""
   import torch_xla.core.xla_builder as xb
-  tensor = xb.create_placeholder_tensor(tuple(int(s) for s in shape), dtype)
+  return _noted(
+      xb.create_placeholder_tensor(tuple(int(s) for s in shape), dtype))
+
+
+def _noted(tensor: torch.Tensor) -> torch.Tensor:
   key = id(tensor)
-  _placeholders[key] = weakref.ref(tensor,
-                                   lambda _: _placeholders.pop(key, None))
+
+  def forget(_):
+    _placeholders.pop(key, None)
+    _keepers.pop(key, None)
+
+  _placeholders[key] = weakref.ref(tensor, forget)
   return tensor
 
 
 def is_placeholder(tensor: Any) -> bool:
-  """Whether `tensor` was made by placeholder() (its data may since have
-  been replaced by another placeholder's, never by a buffer)."""
+  """Whether `tensor` was made by placeholder() or sharded_stand_in() (its
+  data may since have been replaced by another placeholder's, or its
+  keeper's, never by a buffer of its own)."""
   ref = _placeholders.get(id(tensor))
   return ref is not None and ref() is tensor
 
 
+def is_stand_in(tensor: Any) -> bool:
+  """Whether `tensor` is a sharded stand-in (a placeholder with data: see
+  [Note: Placeholder tensors])."""
+  return is_placeholder(tensor) and id(tensor) in _keepers
+
+
 def reset_placeholder(tensor: torch.Tensor) -> None:
-  """Gives a placeholder the data of a fresh one: whatever IR a trace left
-  on it is dropped, and nothing runs."""
+  """Gives a placeholder the data of a fresh one, a stand-in its keeper's:
+  whatever IR a trace left on it is dropped, and nothing runs."""
   import torch_xla
-  torch_xla._XLAC._replace_xla_tensor(tensor,
-                                      placeholder(tensor.shape, tensor.dtype))
+  keeper = _keepers.get(id(tensor))
+  if keeper is None:
+    keeper = placeholder(tensor.shape, tensor.dtype)
+  torch_xla._XLAC._replace_xla_tensor(tensor, keeper)
+
+
+def sharded_stand_in(shape: Sequence[int], dtype: torch.dtype,
+                     sharding: 'Sharding', device: Any) -> torch.Tensor:
+  """A placeholder for a sharded tensor (see [Note: Placeholder tensors]):
+  zeros split as `sharding` says, and a keeper on the same data."""
+  import torch_xla
+  tensor = sharded_zeros(shape, dtype, sharding, device)
+  keeper = torch.empty(tuple(shape), dtype=dtype, device=device)
+  torch_xla._XLAC._replace_xla_tensor(keeper, tensor)
+  _noted(tensor)
+  _keepers[id(tensor)] = keeper
+  return tensor
 
 
 def sharded_zeros(shape: Sequence[int], dtype: torch.dtype,
@@ -402,15 +439,18 @@ class TensorSpec:
 
   def for_trace(self, device: Any) -> torch.Tensor:
     """A tensor of this spec for a trace that runs nothing (see [Note:
-    Placeholder tensors]): a placeholder, or, sharded, zeros made split."""
-    if (torch.device(device).type != 'xla' or not placeholder_traces.guarded()):
+    Placeholder tensors]): a placeholder, or, sharded, a sharded
+    stand-in; zeros where placeholders are not used."""
+    if torch.device(device).type != 'xla':
       return self.materialize(device)
     if self.sharding is not None:
-      return sharded_zeros(self.shape, self.dtype, self.sharding, device)
+      # Real data: a sync that runs its IR reads a buffer.
+      return sharded_stand_in(self.shape, self.dtype, self.sharding, device)
     import torch_xla.runtime as xr
-    if xr.is_spmd():
+    if xr.is_spmd() or not placeholder_traces.guarded():
       # A donating run on a mesh syncs the device's pending IR (see [Note:
-      # Threads] in execution.py), which would run a placeholder's graph.
+      # Threads] in execution.py), which would run a placeholder's graph;
+      # and without the sync's guard nothing may hold a placeholder.
       return self.materialize(device)
     return placeholder(self.shape, self.dtype)
 

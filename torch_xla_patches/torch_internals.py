@@ -160,6 +160,18 @@ _shared_config_calls = 0
 _shared_config_restore: Dict[bool, Callable[[], None]] = {}
 
 
+def _leave_shared_config() -> None:
+  """The end of a call's change of dynamo's config (see [Note: dynamo's
+  config from many threads]): the last call in flight restores."""
+  global _shared_config_calls
+  with _shared_config_lock:
+    _shared_config_calls -= 1
+    if not _shared_config_calls:
+      for restore in reversed(_shared_config_restore.values()):
+        restore()
+      _shared_config_restore.clear()
+
+
 def shared_dynamic_config(
     make_set_enable_dynamic: Callable[[bool], Callable[[], Callable[[], None]]]
 ) -> Callable[[bool], Callable[[], Callable[[], None]]]:
@@ -171,22 +183,15 @@ def shared_dynamic_config(
     change = make_set_enable_dynamic(enable)
 
     def enter() -> Callable[[], None]:
+      # Every compiled call runs this and _leave_shared_config: one lock
+      # each, no object made per call.
       global _shared_config_calls
       with _shared_config_lock:
         revert = change()
-        _shared_config_restore.setdefault(enable, revert)
+        if enable not in _shared_config_restore:
+          _shared_config_restore[enable] = revert
         _shared_config_calls += 1
-
-      def leave() -> None:
-        global _shared_config_calls
-        with _shared_config_lock:
-          _shared_config_calls -= 1
-          if _shared_config_calls == 0:
-            for restore in reversed(list(_shared_config_restore.values())):
-              restore()
-            _shared_config_restore.clear()
-
-      return leave
+      return _leave_shared_config
 
     return enter
 

@@ -403,6 +403,72 @@ PyObject* metadata(PyObject*, PyObject* tensors) {
       static_cast<Py_ssize_t>(bytes.size() * sizeof(int64_t)));
 }
 
+// metadata_matches(tensors: sequence, packed: bytes) -> bool: whether
+// metadata(tensors) would equal `packed`, read in place: no buffer made,
+// and the first difference ends the walk. A served call makes this check
+// on every bound tensor (see BoundTensorCheck in call_plan.py).
+PyObject* metadata_matches(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc != 2 || !PyBytes_Check(argv[1])) {
+    PyErr_SetString(PyExc_TypeError, "metadata_matches(tensors, packed)");
+    return nullptr;
+  }
+  PyObject* sequence = PySequence_Fast(argv[0], "metadata_matches(tensors)");
+  if (sequence == nullptr) {
+    return nullptr;
+  }
+  const int64_t* packed =
+      reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(argv[1]));
+  const Py_ssize_t length =
+      PyBytes_GET_SIZE(argv[1]) / static_cast<Py_ssize_t>(sizeof(int64_t));
+  Py_ssize_t at = 0;
+  bool same = true;
+  Py_ssize_t count = PySequence_Fast_GET_SIZE(sequence);
+  for (Py_ssize_t i = 0; same && i < count; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(sequence, i);
+    if (!THPVariable_Check(item)) {
+      Py_DECREF(sequence);
+      PyErr_SetString(PyExc_TypeError, "metadata_matches() takes tensors");
+      return nullptr;
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(item);
+    if (length - at < 4 ||
+        packed[at] != static_cast<int64_t>(tensor.scalar_type()) ||
+        packed[at + 1] != static_cast<int64_t>(tensor.device().type()) ||
+        packed[at + 2] != static_cast<int64_t>(tensor.device().index())) {
+      same = false;
+      break;
+    }
+    at += 3;
+    try {
+      at::IntArrayRef sizes = tensor.sizes();
+      const int64_t rank = static_cast<int64_t>(sizes.size());
+      if (packed[at] != rank || length - at < 1 + 2 * rank) {
+        same = false;
+        break;
+      }
+      at += 1;
+      for (int64_t d = 0; d < rank; ++d) {
+        same = same && packed[at + d] == sizes[d];
+      }
+      at += rank;
+      at::IntArrayRef strides = tensor.strides();
+      for (int64_t d = 0; d < rank; ++d) {
+        same = same && packed[at + d] == strides[d];
+      }
+      at += rank;
+    } catch (const std::exception&) {
+      // As metadata() packs a tensor without concrete sizes.
+      same = length - at >= 1 && packed[at] == -1;
+      at += 1;
+    }
+  }
+  Py_DECREF(sequence);
+  if (same && at == length) {
+    Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
+}
+
 // init(data_id, tensor_id): torch_xla's `_unique_id_for_ir_and_data` and
 // `_xla_get_tensor_id`.
 PyObject* init(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
@@ -638,6 +704,8 @@ PyMethodDef methods[] = {
      "Each tensor's dtype, device, sizes and strides, as bytes."},
     {"init", reinterpret_cast<PyCFunction>(init), METH_FASTCALL,
      "Sets torch_xla's data id and tensor id functions."},
+    {"metadata_matches", reinterpret_cast<PyCFunction>(metadata_matches),
+     METH_FASTCALL, "Whether metadata(tensors) equals the packed bytes."},
     {"read_donations", reinterpret_cast<PyCFunction>(read_donations),
      METH_FASTCALL, "donation.read_donations' decision."},
     {"take_results", reinterpret_cast<PyCFunction>(take_results),
