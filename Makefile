@@ -60,6 +60,7 @@ demo: $(STAMP)
 	$(PY) tools/bench_warmup.py --demo
 	$(PY) tools/bench_decode.py --demo --mesh --hf-generate
 	$(PY) tools/bench_generation.py --demo
+	$(PY) tools/bench_genserver.py --demo
 
 # PYTEST_ARGS: e.g. test/test_patching.py, or -k name.
 PYTEST_ARGS ?= test

@@ -106,7 +106,7 @@ def apply(*,
           'torch_xla_patches.apply(persistent_executables=True) must run '
           'before the first XLA computation of the process.')
     from torch_xla_patches import donation, dynamo_bridge
-    from torch_xla_patches import serialization
+    from torch_xla_patches import io_utils, serialization
 
     flags['persistent_executables'] = persistent_executables
     for name, value in flags.items():
@@ -128,6 +128,15 @@ def apply(*,
         backend_module, 'xla_backend_helper',
         donation.record_mutated_inputs(
             _registry.original(backend_module, 'xla_backend_helper')))
+    # A sync of every live tensor waits for the traces on placeholders in
+    # flight (see [Note: Syncs wait for placeholder graphs] in io_utils.py);
+    # torch_xla.sync(), xm.mark_step() and torch_xla.step() all call the
+    # step marker. Without this guard nothing traces on placeholders.
+    _registry.set(
+        torch_xla._XLAC, '_xla_step_marker',
+        io_utils.placeholder_traces.guarding(
+            _registry.original(torch_xla._XLAC, '_xla_step_marker')))
+    _registry.on_revert(io_utils.placeholder_traces.unguarded)
     # torch.compile(dynamic=...) from many threads (see [Note: dynamo's
     # config from many threads]).
     eval_frame = torch_internals.dynamo_eval_frame_module()

@@ -226,6 +226,9 @@ class CompilePool:
       else:
         future.set_result(result)
       finally:
+        # What the job holds (a call's arguments) goes now, not when the
+        # next job comes.
+        job = None
         with self._lock:
           self._running -= 1
           self._wakeup.notify_all()

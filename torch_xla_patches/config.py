@@ -386,6 +386,30 @@ cpp_symbolic_shape_guards = _flag('cpp_symbolic_shape_guards',
                                   BOOL,
                                   changes_program=False)
 
+# Traces that run nothing are made on placeholders (device data with a shape
+# and no buffer, see [Note: Placeholder tensors] in io_utils.py): a warm-up's
+# bucket tensors, which then cost no device memory, and a new signature's
+# arguments, so that it is traced and compiled without execution_lock while
+# other calls run, a decode step that donates its cache included (see [Note:
+# Traces on placeholders] in tracing.py). Off: warm-ups trace on zeros and a
+# new signature on its arguments, under the lock. The programs are the same
+# either way.
+trace_on_placeholders = _flag('trace_on_placeholders',
+                              'XLA_PATCHES_TRACE_ON_PLACEHOLDERS',
+                              True,
+                              BOOL,
+                              changes_program=False)
+
+# How long a sync of the device waits for traces on placeholders in flight,
+# and a trace for a sync, before it raises PlaceholderWaitTimeout instead
+# (see [Note: Syncs wait for placeholder graphs] in io_utils.py); 0: a sync
+# with a trace in flight raises at once.
+placeholder_wait_timeout = _flag('placeholder_wait_timeout',
+                                 'XLA_PATCHES_PLACEHOLDER_WAIT_TIMEOUT',
+                                 300.0,
+                                 SECONDS,
+                                 changes_program=False)
+
 # torch_xla's (and libtpu's) variables that never change a compiled program:
 # debugging output, metrics, cache locations and sizes.
 XLA_ENV_NOT_IN_PROGRAM: Tuple[str, ...] = (

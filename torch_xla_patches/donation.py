@@ -16,7 +16,7 @@ from torch_xla_patches.counters import (
     COUNTER_DONATION_READERS_SYNCED, COUNTER_DONATION_SMALL,
     COUNTER_DONATION_VIEW, increment_counter)
 from torch_xla_patches.execution import (KNOWN_DATA_LIMIT, data_id_of,
-                                         device_name, holding_execution_lock,
+                                         device_name, extracted_once,
                                          known_data, note_data, sync_alone)
 from torch_xla_patches.signature import ArgLayout
 
@@ -118,15 +118,19 @@ def record_mutated_inputs(helper: Callable[..., Any]) -> Callable[..., Any]:
   each graph AOTAutograd compiles) so that the graph carries the positions of
   the inputs AOTAutograd's epilogue updates from its first outputs, which are
   never donated (see [Note: Donating in-place updates]): the bridge counts them.
-  The callable it returns, which compiles on its first call, holds
-  execution_lock (see [Note: Threads] in execution.py)."""
+  The callable it returns hands the graph to the bridge on its first call,
+  as `helper`'s does, once (execution.extracted_once)."""
+  del helper  # Its callable would let every thread hand the graph over.
 
   def xla_backend_helper(model, fake_tensor_inputs, boxed=False):
+    del fake_tensor_inputs
     mutated = aot_autograd_mutated_inputs()
     if mutated and _outputs_match_inputs(model, mutated):
       model.meta[MUTATED_INPUTS_META] = mutated
-    return holding_execution_lock(helper(model, fake_tensor_inputs,
-                                         boxed=boxed))
+    import torch_xla.core.dynamo_bridge as bridge
+    return extracted_once(
+        model, lambda graph, args: bridge.extract_compiled_graph(graph, args),
+        boxed)
 
   return xla_backend_helper
 

@@ -91,20 +91,68 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   return tracing.TracedGraph(entry=traced.entry, graph_tensors=[])
 
 
+def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
+                   layout: ArgLayout) -> Optional[tracing.DetachedTrace]:
+  """A trace and compile of the signature of `args` on placeholders for
+  them, which it neither reads nor writes, to run later with no lock (see
+  [Note: Traces on placeholders] in tracing.py); None where the arguments
+  must be traced themselves."""
+  if not tracing.can_trace_on_placeholders(xla_model, args, layout):
+    return None
+
+  def trace_and_compile(on_pool: bool) -> Optional[CompiledGraphEntry]:
+    """The compiled entry; None if the trace on placeholders raised or could
+    not begin: the caller traces the arguments themselves. A compile's error
+    is raised."""
+    placeholders = io_utils.placeholder_traces
+    try:
+      placeholders.begin(on_pool)
+    except io_utils.PlaceholderWaitTimeout:
+      return None
+    # In flight until every placeholder of the trace is gone: the end of
+    # this block, a failed trace's included (see [Note: Traces on
+    # placeholders] in tracing.py).
+    try:
+      try:
+        count_epilogue_updates(xla_model)
+        traced = tracing.trace_on_placeholders(xla_model, args, layout)
+      except Exception as error:  # pylint: disable=broad-except
+        # Leaving this block drops the error, whose traceback holds the
+        # trace's frames and so its placeholders.
+        logger.debug(
+            'a trace on placeholders raised %s: %s; tracing the '
+            'arguments',
+            type(error).__name__, error)
+        return None
+      entry = traced.entry
+      graph_tensors = traced.graph_tensors
+      del traced
+      if graph_tensors:
+        # Emptied, whether or not the compile raises.
+        compile_window.compile_traced(graph_tensors)
+    finally:
+      placeholders.traced()
+      placeholders.end()
+    return entry
+
+  return trace_and_compile
+
+
 def extract_internal(xla_model: torch.fx.GraphModule):
   """Compiles the first signature now; returns the per-call function."""
   first_args = xla_model.xla_args
   layout = ArgLayout.from_graph(xla_model, first_args, spmd=xr.is_spmd())
-  cache = SignatureCache(xla_model, layout, extract_graph_helper)
+  cache = SignatureCache(xla_model, layout, extract_graph_helper,
+                         detached_trace)
   if dynamo_debug:
     print(f'[torch_xla_patches] graph {cache.graph_id} layout: {layout.kinds}')
-  # The first signature compiles holding the lock its caller holds (dynamo's
-  # first call of the graph, which other threads must not make again).
-  first_key = cache.key_of(first_args)
-  if execution.compiling_only():
-    cache.compile_only(first_key, first_args)
-  else:
-    cache.on_miss(first_key, first_args, release_lock=False)
+  # The first signature compiles on the compile pool, as a warm-up's do
+  # (see [Note: Compiles outside the lock] in signature_cache.py): the graph
+  # is handed over before it is compiled, and the call that made it waits
+  # for that compile in the bridge's callable, where no lock is held; so do
+  # other threads' calls of that signature, and calls of other signatures
+  # go on (see execution.extracted_once).
+  cache.compile_only(cache.key_of(first_args), first_args)
   cache.queue_index_records(first_args)
   del xla_model.xla_args
 

@@ -22,26 +22,54 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # [Note: Threads]
 # Any number of threads may call compiled graphs, of one model or of many.
 # torch_xla's lazy tensors take threads; the bridge's state of a graph does
-# not on its own: the first compile of a graph (upstream's
-# xla_backend_helper compiles on the first call and then deletes the graph),
+# not on its own: the hand-over of a graph to the bridge (upstream's
+# xla_backend_helper does it on the first call and then deletes the graph),
 # the signature cache and its LRU order, the backlog, the usage log. So every
-# call of a compiled graph, from its look-up to its outputs (look-up, trace,
-# run, usage, backlog), and every warm-up trace hold one process-wide
-# reentrant lock, `execution_lock`. The key comes before the lock, from the
-# call's arguments alone, and so does a look at the entries (a read of a
-# dict another thread may change) that only decides whether a new
-# signature's inputs are synced first. One device runs one program at a
-# time anyway, and the host work under the lock is that of a
-# single-threaded call. The XLA
-# compile of a new signature lets it go where it can (see [Note: Compiles
-# outside the lock] in signature_cache.py), and so does the sync of a new
-# signature's own inputs (sync_before_the_lock), so that calls of compiled
-# programs go on meanwhile. The lock comes before dynamo's compile lock,
-# never after it: a capture (see [Note: What reads the model's tensors] in
-# serialization.py) and a trace's restore (see [Note: Restores and dynamo's
-# compiles] in tracing.py) take them in that order, and nothing run under
-# dynamo's compile lock waits for this one, so the two cannot deadlock. Other threads build lazy IR without the lock (a request's
-# inputs) at any time, and torch_xla's sync of every live tensor
+# call of a compiled graph, from its look-up to its outputs (look-up, run,
+# usage, backlog), holds one process-wide reentrant lock, `execution_lock`.
+# The key comes before the lock, from the call's arguments alone, and so
+# does a look at the entries (a read of a dict another thread may change)
+# that only decides whether a new signature's inputs are synced first. One
+# device runs one program at a time anyway, and the host work under the
+# lock is that of a single-threaded call. What makes a program does not hold
+# it where it can help: a new signature is traced on placeholders for its
+# arguments and compiled with the lock let go (see [Note: Traces on
+# placeholders] in tracing.py and [Note: Compiles outside the lock] in
+# signature_cache.py), a graph's first signature compiles on the compile
+# pool once the graph is handed over (extracted_once), and a new
+# signature's own inputs are synced before the lock (sync_before_the_lock),
+# so that calls of compiled programs go on meanwhile. What still holds it:
+# a trace of the arguments themselves (views, aliases, SPMD; with its
+# restore), a graph's hand-over (its look-ahead run), a capture and a
+# guard check (see [Note: What reads the model's tensors] in
+# serialization.py).
+# Lock order, first taken first:
+#   1. a graph's first-call lock (extracted_once, and the serializable
+#      backend's);
+#   2. execution_lock;
+#   3. dynamo's compile lock (a capture, a trace's restore: see [Note:
+#      Restores and dynamo's compiles] in tracing.py);
+#   4. the placeholder registry's condition (io_utils.placeholder_traces),
+#      and the compile pool's own lock, each guarding its counts or queue
+#      alone and never held while waiting for anything else;
+#   5. torch_xla's device lock, taken inside torch_xla by a run or a sync
+#      and let go when its program is done (an XLA compile of a graph,
+#      `_xla_warm_up_cache`, takes none).
+# No thread takes a lock earlier in that order while it holds a later one:
+# nothing calls a compiled graph under execution_lock or under dynamo's
+# compile lock (a graph's first call runs in dynamo's transformed code,
+# after its compile), and nothing run under dynamo's compile lock waits for
+# execution_lock. The waits that are no locks: a call waits for a compile in
+# flight through its future, with execution_lock let go whole; a sync of
+# every live tensor (torch_xla's step marker) waits for the placeholder
+# traces in flight (see [Note: Syncs wait for placeholder graphs] in
+# io_utils.py), holding no lock of the bridge (nothing here syncs every
+# live tensor under a lock), and a trace on the compile pool never waits
+# for a sync that is only waiting, so a compile the sync waits for is never
+# behind one that waits for the sync; both waits are bounded
+# (config.placeholder_wait_timeout) and end in a logged error, not a hang.
+# So they cannot deadlock. Other threads build lazy IR without the lock (a
+# request's inputs) at any time, and torch_xla's sync of every live tensor
 # (torch_xla.sync()) races with them (measured: "Check failed:
 # data()->tensor_data" reading the shape of a tensor another thread had just
 # moved to the device). So nothing here syncs the device
@@ -127,27 +155,40 @@ def note_compile(future: Any) -> None:
     compiles.append(future)
 
 
-def holding_execution_lock(compiled: Callable[..., Any]) -> Callable[..., Any]:
-  """`compiled` (torch's callable of an AOTAutograd graph, which compiles on
-  its first call and then calls the bridge), called under execution_lock
-  (see [Note: Threads]) until a call of it has returned: the bridge's
-  callable it calls from then on takes the lock itself, and lets it go for
-  a compile (see [Note: Compiles outside the lock] in signature_cache.py),
-  which an outer hold would prevent. A boxed function stays boxed."""
-  compiled_once = False
+def extracted_once(model: Any, extract: Callable[[Any, Sequence[Any]], Any],
+                   boxed: bool) -> Callable[..., Any]:
+  """The callable of an AOTAutograd graph `model`, in place of torch's
+  xla_backend_helper's: its first call hands the graph to the bridge,
+  `extract(model, args)`, which gives the bridge's callable; every call then
+  calls that. The hand-over is made once, by one thread, under
+  execution_lock (see [Note: Threads]): a call that comes meanwhile waits
+  for it, never makes it again. It compiles nothing itself (the first
+  signature compiles on the compile pool, see [Note: Compiles outside the
+  lock] in signature_cache.py), so every call, the first included, waits
+  for a compile in the bridge's callable, with no lock held."""
+  extracted = None
+  first_call = threading.Lock()
 
-  def locked(*args):
-    nonlocal compiled_once
-    if compiled_once:
-      return compiled(*args)
-    with execution_lock:
-      result = compiled(*args)
-      compiled_once = True
-      return result
+  def call(*args):
+    nonlocal extracted, model
+    if extracted is None:
+      with first_call:
+        if extracted is None:
+          with execution_lock:
+            extracted = extract(model, args)
+          # The bridge keeps what it needs of the graph.
+          model = None
+    return extracted(*args)
 
-  if getattr(compiled, '_boxed_call', False):
-    locked._boxed_call = True
-  return locked
+  if not boxed:
+    return call
+
+  def boxed_call(args):
+    # AOTAutograd's boxed convention: the arguments come as one list.
+    return call(*args)
+
+  boxed_call._boxed_call = True
+  return boxed_call
 
 
 class RefusedBeforeRun(RuntimeError):

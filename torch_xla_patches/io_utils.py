@@ -6,16 +6,22 @@ one way a record is frozen to a string (for identities and de-duplication).
 """
 import contextlib
 import dataclasses
+import functools
 import json
+import logging
 import math
 import os
 import stat
 import tempfile
 import threading
 import weakref
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+
+# What syncs waiting for placeholder traces say (see [Note: Syncs wait for
+# placeholder graphs]); the bridge's part.
+_logger = logging.getLogger('torch_xla_patches.bridge')
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -57,16 +63,22 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
 
 # [Note: Placeholder tensors]
 # A trace needs its arguments' sizes, dtypes and shardings, never their
-# values: what a warm-up traces with is made by `placeholder()`, device data
-# with a shape and no buffer (torch_xla's placeholder tensor), so a bucket's
-# KV cache costs no device memory. Lazy tracing, graph hashes and XLA
-# compiles (`_xla_warm_up_cache`) read only the shape of such data. Running
-# a program that reads it crashes the process (torch_xla does not check), so
-# whatever holds a placeholder's IR must never be run: the trace's restore
-# gives a placeholder a fresh one instead of syncing it (ArgumentsRestore in
-# tracing.py), and a warm-up keeps the graphs it leaves pending for the
-# compile pool out of every sync of the device (see [Note: Syncs wait for
-# placeholder graphs]). A placeholder cannot be sharded
+# values: what a warm-up traces with, and what a new signature is traced on
+# (see [Note: Traces on placeholders] in tracing.py), is made by
+# `placeholder()`, the one maker of them: device data with a shape and no
+# buffer (torch_xla's placeholder tensor), so a bucket's KV cache costs no
+# device memory and a trace touches no tensor another thread runs. Lazy
+# tracing, graph hashes and XLA compiles (`_xla_warm_up_cache`) read only the
+# shape of such data. Running a program that reads it crashes the process
+# (torch_xla does not check), so whatever holds a placeholder's IR must
+# never be run: the trace's restore gives a placeholder a fresh one instead
+# of syncing it (ArgumentsRestore in tracing.py), and every trace on
+# placeholders is in flight in the one registry (placeholder_traces) until
+# its compiles are done, which keeps its graphs out of every sync of the
+# device (see [Note: Syncs wait for placeholder graphs]). With that sync's
+# guard not installed (no apply(), or after revert()) or
+# config.trace_on_placeholders off, nothing traces on placeholders
+# (TensorSpec.for_trace makes zeros). A placeholder cannot be sharded
 # (`mark_sharding` copies the tensor's data, and a sharding annotation on
 # its IR is a node of the program), so a sharded TensorSpec is a sharded
 # stand-in (`sharded_stand_in`): zeros made on the device already split
@@ -119,8 +131,7 @@ def reset_placeholder(tensor: torch.Tensor) -> None:
   import torch_xla
   keeper = _keepers.get(id(tensor))
   if keeper is None:
-    import torch_xla.core.xla_builder as xb
-    keeper = xb.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
+    keeper = placeholder(tensor.shape, tensor.dtype)
   torch_xla._XLAC._replace_xla_tensor(tensor, keeper)
 
 
@@ -152,59 +163,124 @@ def sharded_zeros(shape: Sequence[int], dtype: torch.dtype,
   return tensor
 
 
+class PlaceholderWaitTimeout(RuntimeError):
+  """A sync or a placeholder trace waited longer than
+  config.placeholder_wait_timeout for the other (see [Note: Syncs wait for
+  placeholder graphs])."""
+
+
 class PlaceholderTraces:
-  """Compile-only calls on placeholders, and the syncs of the device that
-  wait for them.
+  """The one registry of traces on placeholders in flight (a warm-up's
+  compile-only calls, a new signature's trace and compile, see [Note:
+  Traces on placeholders] in tracing.py), and the guard of torch_xla's step
+  marker that makes a sync of the device wait for them.
 
   [Note: Syncs wait for placeholder graphs]
-  A warm-up call traces on placeholders (see [Note: Placeholder tensors])
-  and leaves the graph it traced pending on the tensors the
-  compile pool compiles from, until that compile is done. A sync of every
-  live tensor of the device (torch_xla.sync(), xm.mark_step(), on any
-  thread) would run that graph, and running a placeholder crashes the
-  process. So, from the first placeholder trace on, torch_xla's step marker
-  (`_XLAC._xla_step_marker`, which both call) is wrapped: a sync waits
-  until no placeholder call is in flight, and holds the others off while it
-  runs. A call is in flight from the making of its placeholders until its
-  compiles are done; a sync that waits keeps new ones from starting, so it
-  waits for the compiles of the calls traced before it (a warm-up traces
-  ahead of the pool, as a request of a queued bucket moves its compile to
-  the front). Nothing in flight, the wrapper costs a lock and a check. A
-  sync inside a placeholder call's trace raises instead of waiting for
-  itself. A placeholder call begins holding no lock of the bridge, and a
-  sync holds none while it waits, so neither waits for the other while
-  holding what the other needs. Under SPMD no placeholder is made
-  (TensorSpec.for_trace), and nothing here waits. A signature a restart
-  replays from its records inside a placeholder call (on_this_thread) is
-  traced on placeholders too, and its compile is one of the call's.
+  A trace on placeholders (see [Note: Placeholder tensors]) leaves the graph
+  it traced pending on tensors until its compile is done. A sync of every
+  live tensor of the device (torch_xla.sync(), xm.mark_step(),
+  torch_xla.step(), on any thread) would run that graph, and running a
+  placeholder crashes the process. So apply() wraps torch_xla's step marker
+  (`_XLAC._xla_step_marker`, which all of them call) through the patch
+  registry (guarding; revert() puts it back): a sync waits until no
+  placeholder trace is in flight, and holds new ones off while it runs.
+  Without that guard (guarded() is False) nothing traces on placeholders.
+  A trace is in flight from the making of its placeholders until its
+  compiles are done (begin() to end()).
+  Who waits for whom, so that no wait closes a cycle:
+    * a sync waits for the traces in flight, holding no lock of the bridge
+      (nothing of the package syncs every live tensor under a lock; the
+      SPMD donating run's `_xla_sync_live_tensors` runs where no
+      placeholder is ever made, see TensorSpec.for_trace);
+    * a trace about to begin waits while a sync runs (the step marker
+      itself waits for nothing of ours). It also waits while a sync waits,
+      so that a sync is not starved by a warm-up tracing bucket after
+      bucket, unless it begins on the compile pool (`on_pool`) or on a
+      thread already in a trace: the traces the sync waits for may be
+      queued behind it, or be its own;
+    * a sync inside a trace on placeholders raises instead of waiting for
+      itself.
+  Every wait is bounded by config.placeholder_wait_timeout: a sync that
+  waited that long raises PlaceholderWaitTimeout (logged; nothing ran, the
+  caller may sync again), and so does a trace that could not begin (its
+  caller then traces the real arguments, or fails the bucket with that
+  error). Nothing in flight, the guard costs a lock and a check. A
+  signature a restart replays from its records inside a placeholder call
+  (on_this_thread) is traced on placeholders too, and its compile is one of
+  the call's.
   """
 
   def __init__(self):
     self._condition = threading.Condition()
     self._in_flight = 0
-    self._syncs = 0
-    self._syncing = 0
-    self._installed = False
-    # Whether this thread is in a placeholder call's trace.
-    self._tracing = threading.local()
+    self._syncs_waiting = 0
+    self._syncs_running = 0
+    self._guarded = False
+    # How many traces this thread is in.
+    self._depth = threading.local()
 
-  def begin(self) -> None:
-    """A placeholder call starts on this thread: waits while a sync waits
-    or runs."""
-    self._install()
+  def guarded(self) -> bool:
+    """Whether traces may use placeholders: the step marker is guarded and
+    config.trace_on_placeholders is on."""
+    from torch_xla_patches import config
+    return self._guarded and config.trace_on_placeholders
+
+  def guarding(self, step_marker: Callable[..., Any]) -> Callable[..., Any]:
+    """`step_marker` (torch_xla's), made to wait for the traces in flight;
+    from now on, guarded() (see [Note: Syncs wait for placeholder
+    graphs])."""
+
+    @functools.wraps(step_marker)
+    def waiting_step_marker(*args, **kwargs):
+      if self.on_this_thread():
+        raise RuntimeError(
+            'torch_xla_patches: a sync of the device inside a trace on '
+            'placeholders would run them (see [Note: Syncs wait for '
+            'placeholder graphs] in io_utils.py); such a trace cannot sync')
+      self._wait_for_traces()
+      try:
+        return step_marker(*args, **kwargs)
+      finally:
+        with self._condition:
+          self._syncs_running -= 1
+          self._condition.notify_all()
+
+    self._guarded = True
+    return waiting_step_marker
+
+  def unguarded(self) -> None:
+    """revert() took the guard away: nothing traces on placeholders."""
+    self._guarded = False
+
+  def begin(self, on_pool: bool = False) -> None:
+    """A trace on placeholders starts on this thread (see [Note: Syncs wait
+    for placeholder graphs] for what it waits for); raises
+    PlaceholderWaitTimeout if it could not."""
+    from torch_xla_patches import config
+    nested = self.on_this_thread()
     with self._condition:
-      self._condition.wait_for(lambda: not self._syncs and not self._syncing)
+      if not nested:
+        defer = not on_pool
+        if not self._condition.wait_for(
+            lambda: not self._syncs_running and
+            (not defer or not self._syncs_waiting),
+            config.placeholder_wait_timeout):
+          raise self._timeout(
+              f'a trace on placeholders waited '
+              f'{config.placeholder_wait_timeout:g} s for a sync of the '
+              f'device ({self._syncs_running} running, '
+              f'{self._syncs_waiting} waiting)')
       self._in_flight += 1
-    self._tracing.on = True
+    self._depth.value = getattr(self._depth, 'value', 0) + 1
 
   def on_this_thread(self) -> bool:
-    """Whether this thread is tracing a placeholder call."""
-    return getattr(self._tracing, 'on', False)
+    """Whether this thread is in a trace on placeholders."""
+    return getattr(self._depth, 'value', 0) > 0
 
   def traced(self) -> None:
-    """This thread's placeholder call has handed its graphs over (they stay
-    in flight until end())."""
-    self._tracing.on = False
+    """This thread's trace has handed its graphs over (they stay in flight
+    until end())."""
+    self._depth.value -= 1
 
   def end(self) -> None:
     with self._condition:
@@ -230,42 +306,51 @@ class PlaceholderTraces:
     for future in pending:
       future.add_done_callback(one_done)
 
+  def in_flight(self) -> int:
+    """How many traces on placeholders are in flight."""
+    with self._condition:
+      return self._in_flight
+
   def syncs_waiting(self) -> int:
-    """How many syncs wait for placeholder calls in flight."""
+    """How many syncs wait for placeholder traces in flight."""
     with self._condition:
-      return self._syncs
+      return self._syncs_waiting
 
-  def _install(self) -> None:
-    if self._installed:
-      return
+  def _wait_for_traces(self) -> None:
+    """Waits until no trace is in flight, then counts this sync running."""
+    from torch_xla_patches import config
+    limit = config.placeholder_wait_timeout
+    warn_after = min(_SYNC_WARN_AFTER_S, limit)
     with self._condition:
-      if self._installed:
-        return
-      import torch_xla
-      step_marker = torch_xla._XLAC._xla_step_marker
+      self._syncs_waiting += 1
+      try:
+        if not self._condition.wait_for(lambda: not self._in_flight,
+                                        warn_after):
+          _logger.warning(
+              'torch_xla_patches: a sync of the device has waited %g s for '
+              '%d trace(s) on placeholders in flight (see [Note: Syncs wait '
+              'for placeholder graphs] in io_utils.py)', warn_after,
+              self._in_flight)
+          if not self._condition.wait_for(lambda: not self._in_flight,
+                                          limit - warn_after):
+            raise self._timeout(
+                f'a sync of the device waited {limit:g} s for '
+                f'{self._in_flight} trace(s) on placeholders in flight; it '
+                f'did not run (sync again, or raise '
+                f'XLA_PATCHES_PLACEHOLDER_WAIT_TIMEOUT)')
+      finally:
+        self._syncs_waiting -= 1
+        self._condition.notify_all()
+      self._syncs_running += 1
 
-      def waiting_step_marker(*args, **kwargs):
-        if getattr(self._tracing, 'on', False):
-          raise RuntimeError(
-              'torch_xla_patches: a sync of the device inside a warm-up call '
-              'would run the placeholders it traces with (see [Note: Syncs '
-              'wait for placeholder graphs] in io_utils.py); a warm-up call '
-              'cannot sync')
-        with self._condition:
-          self._syncs += 1
-          self._condition.wait_for(lambda: not self._in_flight)
-          self._syncs -= 1
-          self._syncing += 1
-        try:
-          return step_marker(*args, **kwargs)
-        finally:
-          with self._condition:
-            self._syncing -= 1
-            self._condition.notify_all()
+  @staticmethod
+  def _timeout(message: str) -> PlaceholderWaitTimeout:
+    _logger.error('torch_xla_patches: %s', message)
+    return PlaceholderWaitTimeout('torch_xla_patches: ' + message)
 
-      torch_xla._XLAC._xla_step_marker = waiting_step_marker
-      self._installed = True
 
+# A sync that waits this long for placeholder traces says so in the log.
+_SYNC_WARN_AFTER_S = 10.0
 
 placeholder_traces = PlaceholderTraces()
 
@@ -355,15 +440,17 @@ class TensorSpec:
   def for_trace(self, device: Any) -> torch.Tensor:
     """A tensor of this spec for a trace that runs nothing (see [Note:
     Placeholder tensors]): a placeholder, or, sharded, a sharded
-    stand-in."""
+    stand-in; zeros where placeholders are not used."""
     if torch.device(device).type != 'xla':
       return self.materialize(device)
     if self.sharding is not None:
+      # Real data: a sync that runs its IR reads a buffer.
       return sharded_stand_in(self.shape, self.dtype, self.sharding, device)
     import torch_xla.runtime as xr
-    if xr.is_spmd():
+    if xr.is_spmd() or not placeholder_traces.guarded():
       # A donating run on a mesh syncs the device's pending IR (see [Note:
-      # Threads] in execution.py), which would run a placeholder's graph.
+      # Threads] in execution.py), which would run a placeholder's graph;
+      # and without the sync's guard nothing may hold a placeholder.
       return self.materialize(device)
     return placeholder(self.shape, self.dtype)
 

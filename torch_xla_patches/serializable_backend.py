@@ -158,6 +158,9 @@ class XlaSerializableCallable(SerializableCallable):
     # not they were compiled here.
     self._loaded = tuple(recorded)
     self._compiled = None
+    # Held by the first call until the graph is handed to the bridge (see
+    # __call__).
+    self._first_call = threading.Lock()
     self._cache = None
     # A record of every signature served here, by key, in first-seen order.
     self._seen: Dict[Any, record.RecordedSignature] = {}
@@ -174,13 +177,16 @@ class XlaSerializableCallable(SerializableCallable):
   # -- running
 
   def __call__(self, *args):
-    # The first call compiles under the bridge's lock (see [Note: Threads]),
-    # so no other thread compiles the graph again; the bridge's callable
-    # takes the lock itself, and lets it go for a compile (see [Note:
-    # Compiles outside the lock]).
+    # The graph is handed to the bridge once, by one thread, under the
+    # bridge's lock (see [Note: Threads]); its first signature compiles on
+    # the compile pool, and this call waits for it in the bridge's callable
+    # with no lock held, as any call of a signature compiling does (see
+    # [Note: Compiles outside the lock]).
+    if self._compiled is None:
+      with self._first_call, execution.execution_lock:
+        if self._compiled is None:
+          self._compile_first(list(args) + self._lifted)
     with execution.execution_lock:
-      if self._compiled is None:
-        self._compile_first(list(args) + self._lifted)
       cache = self._cache
       if cache is not None:
         every_arg = args + tuple(self._lifted)

@@ -23,7 +23,8 @@ from torch_xla_patches.counters import (COUNTER_DROPPED, COUNTER_HIT,
                                         COUNTER_MISS, increment_counter)
 from torch_xla_patches import execution
 from torch_xla_patches.signature import ArgLayout, ShapeSignature
-from torch_xla_patches.tracing import CompiledGraphEntry, TracedGraph
+from torch_xla_patches.tracing import (CompiledGraphEntry, DetachedTrace,
+                                       TracedGraph)
 
 logger = logging.getLogger('torch_xla_patches.bridge')
 
@@ -89,35 +90,51 @@ class SignatureCache:
     trace: traces one signature: (xla_model, args, layout) -> the traced
       graph, compiled unless it has tensors left to compile (the bridge's
       extract_graph_helper).
+    detach: makes a trace of one signature on placeholders ready, to run with
+      no lock: (xla_model, args, layout) -> a function that traces, or None
+      where the arguments must be traced themselves (the bridge's
+      detached_trace).
 
   [Note: Compiles outside the lock]
-  A new signature is traced under execution_lock, and the trace leaves the
-  arguments as they were. Where every tensor of the program's graph is an
-  output the trace computed (it updates no argument in place and returns
-  none), they hold no IR of a tensor anyone else can reach; the XLA compile
-  of them (the long part) then runs without the lock, on the calling thread
-  (a call that needs the program) or on the compile pool (a compile-only
-  call, see [Note: Compile-only calls] in execution.py), and calls of
-  programs compiled already go on meanwhile. While it compiles, its future
-  is in `compiling`: a call of the same signature, from any thread, waits
-  for it without the lock, so a signature compiles once however many
-  threads ask (one miss; the waiters count hits), and a compile that raises
-  gives its error to the calls that waited for it (CompileFailed) and to no
-  other. A program whose graph holds arguments compiles under the lock, in
-  its trace: an update in place is their pending IR, which the restore
-  drops, and a returned argument's device data would be written by the
-  compile while other threads read it. So do the first signature of a graph
-  outside a compile-only call (dynamo's first call, whose caller holds the
-  lock so that no other thread compiles the graph again) and recorded
-  signatures replayed from the backlog (see backlog.py), whose drains hold
-  the lock.
+  A new signature of a call that needs it (on_miss) is traced on placeholders
+  for its arguments where placeholders can describe them (see [Note: Traces on
+  placeholders] in tracing.py), and then compiled, both with execution_lock
+  let go: the trace reads and writes no tensor anyone else holds, and its
+  graph is no one else's. Elsewhere it is traced under the lock, and the trace
+  leaves the arguments as they were; where every tensor of the program's graph
+  is an output the trace computed (it updates no argument in place and returns
+  none), they hold no IR of a tensor anyone else can reach, and the XLA
+  compile of them (the long part) runs without the lock too. A compile-only
+  call (see [Note: Compile-only calls] in execution.py) and a graph's first
+  signature (see execution.extracted_once) trace and compile on the compile
+  pool, with no lock where placeholders can be used (such a trace never waits
+  for a sync that waits, see [Note: Syncs wait for placeholder graphs] in
+  io_utils.py). Calls of programs compiled already go on meanwhile. While a
+  signature is traced and compiled, its future is in `compiling`: a call of
+  the same signature, from any thread, waits for it without the lock, so a
+  signature compiles once however many threads ask (one miss; the waiters
+  count hits), and a compile that raises gives its error to the calls that
+  waited for it (CompileFailed) and to no other. A program whose graph holds
+  arguments compiles under the lock, in its trace: an update in place not
+  donated is their pending IR, which the restore drops, and a returned
+  argument's device data would be written by the compile while other threads
+  read it. So do recorded signatures replayed from the backlog (see
+  backlog.py), whose drains hold the lock.
   """
 
-  def __init__(self, xla_model: torch.fx.GraphModule, layout: ArgLayout,
+  def __init__(self,
+               xla_model: torch.fx.GraphModule,
+               layout: ArgLayout,
                trace: Callable[[torch.fx.GraphModule, Sequence[Any], ArgLayout],
-                               TracedGraph]):
+                               TracedGraph],
+               detach: Optional[
+                   Callable[[torch.fx.GraphModule, Sequence[Any], ArgLayout],
+                            Optional[DetachedTrace]]] = None):
     self.graph_id = next(_graph_ids)
     self._trace = trace
+    # Makes a trace on placeholders ready, or says None (see [Note: Traces on
+    # placeholders] in tracing.py).
+    self._detach = detach
     self.xla_model = xla_model
     self.layout = layout
     self.key_of = layout.key_function()
@@ -229,28 +246,36 @@ class SignatureCache:
     increment_counter(COUNTER_MISS, 1)
     if config.explain_misses:
       logger.info('%s', self.explain_miss(args))
-    traced = self._trace(self.xla_model, args, self.layout)
-    if not traced.graph_tensors:
-      self._add_compiled(key, traced.entry, args)
-      return traced.entry
+    # In `compiling` from its trace on, so that a call of the same
+    # signature waits for this one, the lock let go or not.
     future = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     self.compiling[key] = future
     clock = _CompileClock()
     try:
-      if release_lock:
+      entry = None
+      detached = (self._detach(self.xla_model, args, self.layout)
+                  if release_lock and self._detach is not None else None)
+      if detached is not None:
         with execution.execution_lock_released():
-          compile_window.compile_traced(list(traced.graph_tensors))
-      else:
-        compile_window.compile_traced(list(traced.graph_tensors))
+          entry = detached(False)
+      if entry is None:
+        traced = self._trace(self.xla_model, args, self.layout)
+        entry = traced.entry
+        if traced.graph_tensors and release_lock:
+          with execution.execution_lock_released():
+            compile_window.compile_traced(traced.graph_tensors)
+        elif traced.graph_tensors:
+          compile_window.compile_traced(traced.graph_tensors)
+        del traced
     except BaseException as error:
       del self.compiling[key]
       future.set_exception(error)
       raise
-    self._add_compiled(key, traced.entry, args)
+    self._add_compiled(key, entry, args)
     del self.compiling[key]
-    future.set_result(clock.result(traced.entry))
-    return traced.entry
+    future.set_result(clock.result(entry))
+    return entry
 
   def compile_only(self, key: Hashable, args: Sequence[Any]) -> None:
     """For a compile-only call (see [Note: Compile-only calls] in
@@ -271,9 +296,15 @@ class SignatureCache:
     self._compile_in_background(args)
 
   def _compile_in_background(self, args: Sequence[Any]) -> None:
-    """Traces the signature of `args` now and compiles it on the compile
-    pool; the future of its compile is noted (execution.note_compile). The
-    caller holds execution_lock."""
+    """Traces the signature of `args` and compiles it on the compile pool;
+    the future of its compile is noted (execution.note_compile). Traced on
+    placeholders there, with no lock, where it can be (see [Note: Traces on
+    placeholders] in tracing.py), else now. The caller holds execution_lock."""
+    detached = (self._detach(self.xla_model, args, self.layout)
+                if self._detach is not None else None)
+    if detached is not None:
+      self._trace_and_compile_in_background(args, detached)
+      return
     clock = _CompileClock()
     traced = self._trace(self.xla_model, args, self.layout)
     # Under SPMD the trace's sync of the arguments replicates those the
@@ -318,6 +349,49 @@ class SignatureCache:
       return compiled
 
     future = compile_window.compile_pool().submit(compile_and_add)
+    self.compiling[key] = future
+    execution.note_compile(future)
+
+  def _trace_and_compile_in_background(self, args: Sequence[Any],
+                                       detached: DetachedTrace) -> None:
+    """_compile_in_background of a trace on placeholders: traced and compiled
+    on the compile pool, no lock held. The caller holds execution_lock."""
+    key = self.key_of(args)
+    made = record.make_record(self.layout, args) if self.usage else None
+    signature = self.layout.signature_of(args)
+    # The trace runs as the call would have (grad mode is per thread).
+    grad_enabled = torch.is_grad_enabled()
+
+    def trace_compile_and_add() -> SignatureCompiled:
+      clock = _CompileClock()
+      try:
+        with torch.set_grad_enabled(grad_enabled):
+          entry = detached(True)
+        if entry is None:
+          # Traced on the arguments after all, under the lock, as a
+          # compile-only call's trace is.
+          with execution.execution_lock, torch.set_grad_enabled(grad_enabled):
+            traced = self._trace(self.xla_model, args, self.layout)
+          entry = traced.entry
+          if traced.graph_tensors:
+            compile_window.compile_traced(traced.graph_tensors)
+          del traced
+      except Exception as error:
+        with execution.execution_lock:
+          del self.compiling[key]
+        raise CompileFailed(
+            f'torch_xla_patches: graph {self.graph_id}: the background '
+            f'trace and compile of {signature.describe()} raised '
+            f'{type(error).__name__}: {error}') from error
+      compiled = clock.result(entry)
+      with execution.execution_lock:
+        self._add_entry(key, entry)
+        if made is not None:
+          self.usage.record(key, made)
+        del self.compiling[key]
+      return compiled
+
+    future = compile_window.compile_pool().submit(trace_compile_and_add)
     self.compiling[key] = future
     execution.note_compile(future)
 

@@ -1,0 +1,303 @@
+"""What makes a program runs off the request path: while one thread's new
+shape compiles (a donating program among them) or is captured, another
+thread's calls of compiled programs complete (see [Note: Traces on
+placeholders] in tracing.py and [Note: Compiles outside the lock] in
+signature_cache.py)."""
+import threading
+import time
+
+import pytest
+import torch
+import torch_xla
+
+import torch_xla_patches
+from torch_xla_patches import (TensorSpec, compile_window, config, io_utils,
+                               tracing)
+
+WIDTH = 8
+SLOTS = 4
+# Long enough for no pass to come near it: it only bounds a failure, which
+# would otherwise wait for ever on a call that never comes.
+FAILURE_BOUND_S = 120
+
+
+class CacheWriter(torch.nn.Module):
+  """A decode step: writes its rows into the cache it is given, in place
+  (a donating program), and reads the whole cache."""
+
+  def __init__(self):
+    super().__init__()
+    self.proj = torch.nn.Linear(WIDTH, WIDTH)
+
+  def forward(self, x, slots, cache):
+    cache.index_copy_(0, slots, self.proj(x))
+    return (cache * 2).sum(0)
+
+
+def xla(t):
+  return t.to(torch_xla.device())
+
+
+class HeldOffThread:
+  """Wraps `function` so that its first call on another thread than the
+  one that made this (the new shape's own thread, or the compile pool's)
+  stops until `release()`: `held` is set once it is stopped there, and
+  `released_in_time` says whether release() came before FAILURE_BOUND_S."""
+
+  def __init__(self, function):
+    self._function = function
+    self._here = threading.current_thread()
+    self._lock = threading.Lock()
+    self.held = threading.Event()
+    self._released = threading.Event()
+    self.released_in_time = None
+
+  def release(self):
+    self._released.set()
+
+  def __call__(self, *args, **kwargs):
+    with self._lock:
+      hold = (threading.current_thread() is not self._here and
+              not self.held.is_set())
+      if hold:
+        self.held.set()
+    if hold:
+      self.released_in_time = self._released.wait(FAILURE_BOUND_S)
+    return self._function(*args, **kwargs)
+
+
+def call_in_thread(fn, name):
+  outcome = {}
+
+  def target():
+    try:
+      outcome['result'] = fn()
+    except Exception as error:  # pylint: disable=broad-except
+      outcome['error'] = error
+
+  thread = threading.Thread(target=target, name=name)
+  thread.start()
+  return thread, outcome
+
+
+def eager_step(cpu, x, slots, cache):
+  with torch.no_grad():
+    return cpu(x, slots, cache)
+
+
+def compiled_writer(mode):
+  torch.manual_seed(0)
+  cpu = CacheWriter().eval()
+  model = CacheWriter().eval().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  if mode == 'serve':
+    step = torch_xla_patches.serve(model, [(TensorSpec(
+        (SLOTS, WIDTH)), TensorSpec(
+            (SLOTS,), torch.long), TensorSpec((16, WIDTH)))])
+  else:
+    step = torch.compile(model, backend='openxla', dynamic=True)
+  return cpu, step
+
+
+def decode_steps(cpu, step, rows, count, seed):
+  """`count` steps on a cache of `rows` rows, on the device and on the CPU;
+  the outputs of both."""
+  generator = torch.Generator().manual_seed(seed)
+  cache_cpu = torch.zeros(rows, WIDTH)
+  cache = torch.zeros(rows, WIDTH, device=torch_xla.device())
+  got, want = [], []
+  for _ in range(count):
+    x = torch.randn(SLOTS, WIDTH, generator=generator)
+    slots = torch.randperm(rows, generator=generator)[:SLOTS]
+    with torch.no_grad():
+      got.append(step(xla(x), xla(slots), cache).cpu())
+    want.append(eager_step(cpu, x, slots, cache_cpu))
+  return got, want, cache.cpu(), cache_cpu
+
+
+def held_on_new_shape(monkeypatch, held):
+  """Holds the trace or the XLA compile made off this thread."""
+  module, name = {
+      'trace': (tracing, 'trace_graph'),
+      'compile': (compile_window, 'compile_graph')
+  }[held]
+  hold = HeldOffThread(getattr(module, name))
+  monkeypatch.setattr(module, name, hold)
+  return hold
+
+
+def check_steps(outcome):
+  got, want, cache, cache_cpu = outcome
+  for g, w in zip(got, want):
+    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+  torch.testing.assert_close(cache, cache_cpu, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('held', ['trace', 'compile'])
+@pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
+def test_calls_complete_while_a_donating_signature_is_made(
+    patched_bridge, monkeypatch, mode, held):
+  # A new cache size is a new signature of a program that updates its
+  # cache in place and takes its buffer over. Its trace, or its XLA
+  # compile, is held on the thread that asked for it; meanwhile this
+  # thread's steps of the compiled size run, on their own cache, to the
+  # end. The trace ran on placeholders for the arguments, and no lock was held
+  # while it traced and compiled (see [Note: Traces on placeholders] in
+  # tracing.py).
+  cpu, step = compiled_writer(mode)
+  decode_steps(cpu, step, 16, 2, seed=0)  # compiled, and learned
+  hold = held_on_new_shape(monkeypatch, held)
+  thread, outcome = call_in_thread(lambda: decode_steps(cpu, step, 32, 3, 1),
+                                   name='new-shape')
+  assert hold.held.wait(FAILURE_BOUND_S)
+  steps = decode_steps(cpu, step, 16, 5, seed=2)
+  hold.release()
+  thread.join()
+  assert hold.released_in_time
+  check_steps(steps)
+  assert 'error' not in outcome, outcome
+  check_steps(outcome['result'])
+
+
+@pytest.mark.parametrize('held', ['trace', 'compile'])
+def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
+    patched_bridge, monkeypatch, held):
+  # Under torch.compile (apply()'s default mode) a new batch size is a new
+  # dynamo graph, whose first signature the graph's first call traces and
+  # compiles. Held there, on its thread, it keeps no other thread's steps
+  # of the compiled batch size waiting.
+  torch.manual_seed(0)
+  cpu = CacheWriter().eval()
+  model = CacheWriter().eval().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  step = torch.compile(model, backend='openxla')
+  decode_steps(cpu, step, 16, 2, seed=0)
+  hold = held_on_new_shape(monkeypatch, held)
+
+  def other_batch():
+    generator = torch.Generator().manual_seed(3)
+    cache_cpu = torch.zeros(16, WIDTH)
+    cache = torch.zeros(16, WIDTH, device=torch_xla.device())
+    x = torch.randn(6, WIDTH, generator=generator)
+    slots = torch.randperm(16, generator=generator)[:6]
+    with torch.no_grad():
+      got = step(xla(x), xla(slots), cache).cpu()
+    return [got], [eager_step(cpu, x, slots, cache_cpu)], cache.cpu(), cache_cpu
+
+  thread, outcome = call_in_thread(other_batch, name='new-shape')
+  assert hold.held.wait(FAILURE_BOUND_S)
+  steps = decode_steps(cpu, step, 16, 5, seed=2)
+  hold.release()
+  thread.join()
+  assert hold.released_in_time
+  check_steps(steps)
+  assert 'error' not in outcome, outcome
+  check_steps(outcome['result'])
+
+
+def test_a_sync_of_every_tensor_waits_for_traces_on_placeholders(
+    patched_bridge, monkeypatch):
+  # A placeholder's IR reads a buffer that does not exist: torch_xla.sync(),
+  # which runs every live tensor's IR, would run it (the process dies:
+  # measured with torch_xla's own sync). Made while the compile of a trace
+  # on placeholders is held, it waits for that compile, then syncs (see [Note:
+  # Traces on placeholders] in tracing.py).
+  cpu, step = compiled_writer('serve')
+  decode_steps(cpu, step, 16, 1, seed=0)
+  hold = held_on_new_shape(monkeypatch, 'compile')
+  thread, outcome = call_in_thread(lambda: decode_steps(cpu, step, 32, 2, 1),
+                                   name='new-shape')
+  assert hold.held.wait(FAILURE_BOUND_S)
+  pending = xla(torch.ones(3)) * 2
+  syncer, synced = call_in_thread(torch_xla.sync, name='syncer')
+  hold.release()
+  syncer.join()
+  thread.join()
+  assert 'error' not in synced, synced
+  assert 'error' not in outcome, outcome
+  check_steps(outcome['result'])
+  torch.testing.assert_close(pending.cpu(), torch.full((3,), 2.0))
+
+
+def wait_until(condition, what):
+  """Polls `condition` until it holds, within FAILURE_BOUND_S (a bound, not
+  a wait that decides the outcome)."""
+  deadline = time.monotonic() + FAILURE_BOUND_S
+  while not condition():
+    assert time.monotonic() < deadline, f'timed out waiting until {what}'
+    time.sleep(0.01)
+
+
+def test_a_sync_waiting_for_a_warm_up_never_holds_back_the_compile_it_waits_for(
+    patched_bridge, monkeypatch):
+  # A warm-up's call of one cache size is in flight (its compile on the
+  # pool, held), the next one's is queued behind it on the pool, and a
+  # sync comes: it waits for both. The queued trace begins on the compile
+  # pool while that sync waits; were it to wait for the sync, the sync
+  # would wait for ever for the compile behind it (see [Note: Syncs wait
+  # for placeholder graphs] in io_utils.py).
+  traces = io_utils.placeholder_traces
+  torch.manual_seed(0)
+  cpu = CacheWriter().eval()
+  model = CacheWriter().eval().to(torch_xla.device())
+  model.load_state_dict(cpu.state_dict())
+  step = torch.compile(model, backend='openxla', dynamic=True)
+  specs = [(TensorSpec((SLOTS, WIDTH)), TensorSpec(
+      (SLOTS,), torch.long), TensorSpec((rows, WIDTH))) for rows in (16, 32)]
+  hold = held_on_new_shape(monkeypatch, 'compile')
+  with torch.no_grad():
+    warming, warmed = call_in_thread(
+        lambda: torch_xla_patches.precompile(step, specs), name='warm-up')
+    assert hold.held.wait(FAILURE_BOUND_S)
+    # The first call and its compile, and the second call.
+    wait_until(lambda: traces.in_flight() == 3, 'the second call is traced')
+    pending = xla(torch.ones(3)) * 2
+    syncer, synced = call_in_thread(torch_xla.sync, name='syncer')
+    wait_until(lambda: traces.syncs_waiting() == 1, 'the sync waits')
+    hold.release()
+    syncer.join(FAILURE_BOUND_S)
+    warming.join(FAILURE_BOUND_S)
+  assert not syncer.is_alive() and not warming.is_alive()
+  assert 'error' not in synced, synced
+  assert 'error' not in warmed, warmed
+  assert traces.in_flight() == 0
+  torch.testing.assert_close(pending.cpu(), torch.full((3,), 2.0))
+  for rows in (16, 32):
+    check_steps(decode_steps(cpu, step, rows, 2, seed=rows))
+
+
+def test_a_sync_that_waits_too_long_raises_and_runs_nothing(
+    patched_bridge, monkeypatch):
+  # A trace on placeholders that never ends (here: begun and not ended)
+  # makes a sync raise after config.placeholder_wait_timeout, without
+  # running the device's pending IR; once it ends, a sync runs it.
+  traces = io_utils.placeholder_traces
+  monkeypatch.setattr(config, 'placeholder_wait_timeout', 0.2)
+  pending = xla(torch.ones(3)) * 2
+  traces.begin()
+  traces.traced()
+  try:
+    with pytest.raises(io_utils.PlaceholderWaitTimeout,
+                       match='a sync of the device waited 0.2 s for 1 trace'):
+      torch_xla.sync()
+    assert torch_xla._XLAC._check_tensor_need_materialization([pending
+                                                              ]) == [True]
+  finally:
+    traces.end()
+  torch_xla.sync()
+  assert torch_xla._XLAC._check_tensor_need_materialization([pending
+                                                            ]) == [False]
+  torch.testing.assert_close(pending.cpu(), torch.full((3,), 2.0))
+
+
+def test_revert_takes_the_sync_guard_away(patched_bridge):
+  xlac = torch_xla._XLAC
+  guarded = xlac._xla_step_marker
+  assert io_utils.placeholder_traces.guarded()
+  torch_xla_patches.revert()
+  try:
+    assert xlac._xla_step_marker is not guarded
+    assert not io_utils.placeholder_traces.guarded()
+  finally:
+    torch_xla_patches.apply()
+  assert io_utils.placeholder_traces.guarded()
