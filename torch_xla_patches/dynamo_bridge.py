@@ -290,19 +290,6 @@ class _NeedsValues(Exception):
   [Note: Look-ahead on placeholders])."""
 
 
-# Ops whose XLA kernels read their inputs' values on the host, or run on
-# the CPU for some arguments (torch_xla's kernels that call its fallback).
-_VALUE_READING_OPS = frozenset(
-    ('aten::_local_scalar_dense', 'aten::equal', 'aten::is_nonzero',
-     'aten::nonzero', 'aten::masked_select', 'aten::unique_dim',
-     'aten::_unique2', 'aten::unique_consecutive', 'aten::multinomial',
-     'aten::randperm', 'aten::bernoulli', 'aten::bernoulli_', 'aten::normal',
-     'aten::normal_', 'aten::uniform_', 'aten::random_', 'aten::exponential_',
-     'aten::rrelu_with_noise', 'aten::_linalg_eigh', 'aten::linalg_inv_ex',
-     'aten::_adaptive_avg_pool2d', 'aten::_adaptive_avg_pool3d',
-     'aten::adaptive_max_pool2d', 'aten::max_pool2d_with_indices',
-     'aten::max_pool3d_with_indices', 'aten::_embedding_bag_forward_only',
-     'aten::cumprod', 'aten::norm', 'aten::scatter_reduce'))
 # Ops without an XLA kernel that read only their inputs' metadata (views
 # too).
 _METADATA_OPS = frozenset(
@@ -325,7 +312,7 @@ def _is_mask(value: Any) -> bool:
 def _op_reads_values(name: str, overload_name: str) -> Optional[bool]:
   """What the aten op's name alone tells of _reads_values: True or False,
   or None when it depends on the arguments."""
-  if name in _VALUE_READING_OPS:
+  if name.split('::')[-1] in tracing.VALUE_READING_OPS:
     return True
   if name in _MASK_INDEXING_OPS or name in ('aten::_to_copy', 'aten::to',
                                             'aten::copy_'):
@@ -373,33 +360,23 @@ def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
   return _falls_back(func, args, kwargs)
 
 
-# Tensor methods and functions of a graph dynamo hands over without
-# AOTAutograd that read their tensor's values on the host.
-_VALUE_READING_METHODS = frozenset(
-    ('item', 'tolist', 'numpy', 'cpu', '__bool__', '__int__', '__float__'))
-
-
 def _graph_reads_values(graph: torch.fx.Graph) -> bool:
   """Whether a node of `graph` is known from its target alone to read
-  values (see [Note: Look-ahead on placeholders]): an aten op _reads_values
-  says so for any arguments, a torch function named as one of
-  _VALUE_READING_OPS (`torch.nonzero`), or a tensor method that reads
-  values (`.item()`). Ops it cannot tell are left to the look-ahead's
-  dispatch-time check."""
+  values (see [Note: Look-ahead on placeholders]): one named in
+  tracing.VALUE_READING_OPS (`torch.nonzero`, `.item()`), a copy to the
+  CPU, or an aten op _reads_values says so for any arguments. Ops it cannot
+  tell are left to the look-ahead's dispatch-time check."""
+  if tracing.graph_reads_values(graph):
+    return True
   for node in graph.nodes:
-    if node.op == 'call_method':
-      if (node.target in _VALUE_READING_METHODS or
-          f'aten::{node.target}' in _VALUE_READING_OPS):
-        return True
-    elif node.op == 'call_function':
-      target = node.target
-      if isinstance(target, torch._ops.OpOverloadPacket):
-        target = target.default
-      if isinstance(target, torch._ops.OpOverload):
-        if _op_reads_values(target._schema.name, target._schema.overload_name):
-          return True
-      elif f"aten::{getattr(target, '__name__', '')}" in _VALUE_READING_OPS:
-        return True
+    if node.op != 'call_function':
+      continue
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+      target = target.default
+    if (isinstance(target, torch._ops.OpOverload) and
+        _op_reads_values(target._schema.name, target._schema.overload_name)):
+      return True
   return False
 
 
@@ -734,7 +711,7 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   #     XLA kernel, unless it takes no tensor, is a view, or its
   #     backend-free kernel reached no fallback in a probe on size-1 zeros;
   #     a kernel of torch_xla that reads values or falls back for some
-  #     arguments: _VALUE_READING_OPS, indexing with a mask), and it starts
+  #     arguments: tracing.VALUE_READING_OPS, indexing with a mask), and it starts
   #     again on zeros.
   # The zeros have the placeholders' sizes and are made for the look-ahead
   # alone; the partition around such ops then runs on them too (the parts'
@@ -743,7 +720,7 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   # their programs run as ever (a device sync waits for the placeholder
   # call: [Note: Syncs wait for placeholder graphs] in io_utils.py). What
   # this rests on: every torch_xla kernel that runs a program or reads a
-  # buffer for some arguments is in _VALUE_READING_OPS or
+  # buffer for some arguments is in tracing.VALUE_READING_OPS or
   # _MASK_INDEXING_OPS.
   if placeholders and _graph_reads_values(xla_model.graph):
     return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))

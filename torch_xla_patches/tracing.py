@@ -636,17 +636,25 @@ def _donation_peers(args: Sequence[Any], donated: Sequence[int],
 #   * under SPMD (shardings), and a graph that marks its own donors;
 #   * a graph with an op that reads values while it is traced (an item(),
 #     a CPU copy, an op whose output's shape depends on values:
-#     _VALUE_READING_OPS): running a placeholder's IR reads a buffer that
+#     VALUE_READING_OPS): running a placeholder's IR reads a buffer that
 #     does not exist, and the process dies;
 #   * the flag config.trace_on_placeholders is off, or apply() did not
 #     install the sync's guard (io_utils.placeholder_traces.guarded).
 
-# Names of ops whose trace runs the graph before them to read values.
-_VALUE_READING_OPS = frozenset({
-    'item', '_local_scalar_dense', 'tolist', 'nonzero', 'nonzero_static',
+# Bare names of ops, functions and tensor methods that read their inputs'
+# values on the host, or whose torch_xla kernels run on the CPU for some
+# arguments: a trace or a look-ahead through one runs the graph before it.
+VALUE_READING_OPS = frozenset({
+    'item', '_local_scalar_dense', 'tolist', 'numpy', 'cpu', '__bool__',
+    '__int__', '__float__', 'nonzero', 'nonzero_static', 'argwhere',
     'masked_select', 'unique', '_unique', '_unique2', 'unique_consecutive',
-    'unique_dim', 'repeat_interleave', 'bincount', 'cpu', 'numpy', 'equal',
-    'is_nonzero', 'allclose', 'histc', 'argwhere'
+    'unique_dim', 'repeat_interleave', 'bincount', 'histc', 'equal',
+    'is_nonzero', 'allclose', 'multinomial', 'randperm', 'bernoulli',
+    'bernoulli_', 'normal', 'normal_', 'uniform_', 'random_', 'exponential_',
+    'rrelu_with_noise', '_linalg_eigh', 'linalg_inv_ex', '_adaptive_avg_pool2d',
+    '_adaptive_avg_pool3d', 'adaptive_max_pool2d', 'max_pool2d_with_indices',
+    'max_pool3d_with_indices', '_embedding_bag_forward_only', 'cumprod', 'norm',
+    'scatter_reduce'
 })
 
 
@@ -662,13 +670,13 @@ def _op_name(node: torch.fx.Node) -> str:
   return getattr(target, '__name__', '')
 
 
-def _graph_reads_values(xla_model: torch.fx.GraphModule) -> bool:
+def graph_reads_values(graph: torch.fx.Graph) -> bool:
   """Whether a node of the graph may read tensor values while traced (see
   [Note: Traces on placeholders]); a copy to the CPU among them."""
-  for node in xla_model.graph.nodes:
+  for node in graph.nodes:
     if node.op not in ('call_function', 'call_method'):
       continue
-    if _op_name(node) in _VALUE_READING_OPS:
+    if _op_name(node) in VALUE_READING_OPS:
       return True
     device = node.kwargs.get('device')
     if device is not None and 'cpu' in str(device):
@@ -690,7 +698,7 @@ def can_trace_on_placeholders(xla_model: torch.fx.GraphModule,
   [Note: Traces on placeholders])."""
   if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
       sets_own_donors(xla_model) or graph_constants(xla_model) or
-      _graph_reads_values(xla_model)):
+      graph_reads_values(xla_model.graph)):
     return False
   tensors = [args[i] for i in layout.tensor_positions]
   if any(t.device.type != 'xla' or t._is_view() for t in tensors):
