@@ -31,13 +31,7 @@ MIB = 1 << 20
 # Largest difference from the eager CPU reference taken as equal.
 TOLERANCE = 1e-4
 
-HF_CONFIG = dict(vocab_size=96,
-                 hidden_size=32,
-                 intermediate_size=64,
-                 num_hidden_layers=2,
-                 num_attention_heads=4,
-                 num_key_value_heads=2,
-                 eos_token_id=None)
+HF_CONFIG = tiny_llama.CONFIG
 HF_PROMPT = 8
 # The tiny Llama, as the tables' titles name it.
 HF_MODEL_WORDS = (f'LlamaForCausalLM {HF_CONFIG["num_hidden_layers"]} layers, '

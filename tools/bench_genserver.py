@@ -46,14 +46,10 @@ import torch
 # This checkout's package, not another one installed.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny_llama  # pylint: disable=wrong-import-position
 
-LLAMA = dict(vocab_size=96,
-             hidden_size=32,
-             intermediate_size=64,
-             num_hidden_layers=2,
-             num_attention_heads=4,
-             num_key_value_heads=2,
-             eos_token_id=None)
+LLAMA = tiny_llama.CONFIG
 CACHE_LEN = 64
 PROMPT = 8
 # Thread B's shapes: a batch size no bucket has, then a prompt length.

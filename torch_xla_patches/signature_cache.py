@@ -329,28 +329,11 @@ class SignatureCache:
     del traced.graph_tensors[:]
     entry = traced.entry
 
-    def compile_and_add() -> SignatureCompiled:
-      clock = _CompileClock()
-      try:
-        compile_window.compile_traced(graph_tensors)
-      except Exception as error:
-        with execution.execution_lock:
-          del self.compiling[key]
-        raise CompileFailed(
-            f'torch_xla_patches: graph {self.graph_id}: the background '
-            f'compile of {signature.describe()} raised '
-            f'{type(error).__name__}: {error}') from error
-      compiled = clock.result(entry)
-      with execution.execution_lock:
-        self._add_entry(key, entry)
-        if made is not None:
-          self.usage.record(key, made)
-        del self.compiling[key]
-      return compiled
+    def compile_traced() -> CompiledGraphEntry:
+      compile_window.compile_traced(graph_tensors)
+      return entry
 
-    future = compile_window.compile_pool().submit(compile_and_add)
-    self.compiling[key] = future
-    execution.note_compile(future)
+    self._submit(key, signature, made, 'compile', compile_traced)
 
   def _trace_and_compile_in_background(self, args: Sequence[Any],
                                        detached: DetachedTrace) -> None:
@@ -362,26 +345,39 @@ class SignatureCache:
     # The trace runs as the call would have (grad mode is per thread).
     grad_enabled = torch.is_grad_enabled()
 
-    def trace_compile_and_add() -> SignatureCompiled:
+    def trace_and_compile() -> CompiledGraphEntry:
+      with torch.set_grad_enabled(grad_enabled):
+        entry = detached(True)
+      if entry is None:
+        # Traced on the arguments after all, under the lock, as a
+        # compile-only call's trace is.
+        with execution.execution_lock, torch.set_grad_enabled(grad_enabled):
+          traced = self._trace(self.xla_model, args, self.layout)
+        entry = traced.entry
+        if traced.graph_tensors:
+          compile_window.compile_traced(traced.graph_tensors)
+        del traced
+      return entry
+
+    self._submit(key, signature, made, 'trace and compile', trace_and_compile)
+
+  def _submit(self, key: Hashable, signature: Any, made: Any, work: str,
+              make_entry: Callable[[], CompiledGraphEntry]) -> None:
+    """Runs `make_entry` (the `work` of `signature`'s program) on the compile
+    pool, no lock held, and adds its entry under `key`; a failure forgets
+    `key` and raises CompileFailed from the future. The caller holds
+    execution_lock."""
+
+    def run() -> SignatureCompiled:
       clock = _CompileClock()
       try:
-        with torch.set_grad_enabled(grad_enabled):
-          entry = detached(True)
-        if entry is None:
-          # Traced on the arguments after all, under the lock, as a
-          # compile-only call's trace is.
-          with execution.execution_lock, torch.set_grad_enabled(grad_enabled):
-            traced = self._trace(self.xla_model, args, self.layout)
-          entry = traced.entry
-          if traced.graph_tensors:
-            compile_window.compile_traced(traced.graph_tensors)
-          del traced
+        entry = make_entry()
       except Exception as error:
         with execution.execution_lock:
           del self.compiling[key]
         raise CompileFailed(
             f'torch_xla_patches: graph {self.graph_id}: the background '
-            f'trace and compile of {signature.describe()} raised '
+            f'{work} of {signature.describe()} raised '
             f'{type(error).__name__}: {error}') from error
       compiled = clock.result(entry)
       with execution.execution_lock:
@@ -391,7 +387,7 @@ class SignatureCache:
         del self.compiling[key]
       return compiled
 
-    future = compile_window.compile_pool().submit(trace_compile_and_add)
+    future = compile_window.compile_pool().submit(run)
     self.compiling[key] = future
     execution.note_compile(future)
 
