@@ -91,11 +91,14 @@ def test_a_replay_with_2_workers_equals_the_serial_replay(tmp_path):
     shutil.copytree(recorded, copy)
     got[workers] = replay(copy, list(reversed(SIZES)), workers)
   # The serial replay compiled on the calling thread, the other on the pool.
+  # Either way the graph's first signature compiles on the pool, while its
+  # call waits with no lock held (see [Note: Traces on placeholders] in
+  # tracing.py).
   worker_compiles = {
       workers: counters.pop('WorkerCompiles')
       for workers, (counters, _) in got.items()
   }
-  assert worker_compiles[1] == 0 and worker_compiles[2] > 0, worker_compiles
+  assert worker_compiles[1] == 1 and worker_compiles[2] > 1, worker_compiles
   serial_counters, serial_results = got[1]
   assert serial_counters == {
       'DynamoExtractCompiledGraph': 1,
@@ -243,8 +246,10 @@ def test_a_failing_compile_is_raised_or_skipped_as_serially(
     # Every size is served right afterwards; 5 is compiled when asked for.
     serve_here(mlp, SMALL_SIZES)
     del compiled
-  # 2 workers compiled on the pool: not the serial path twice.
-  assert on_workers[1] == 0 and on_workers[2] > 0, on_workers
+  # 2 workers compiled on the pool: not the serial path twice. The graph's
+  # first signature compiles on the pool either way (see [Note: Traces on
+  # placeholders] in tracing.py).
+  assert on_workers[1] == 1 and on_workers[2] > 1, on_workers
   assert seen[2] == seen[1]
   skipped = seen[1][0][backlog.COUNTER_PRECOMPILE_SKIPPED]
   assert skipped == (0 if strict else 1)
@@ -265,7 +270,7 @@ def test_a_failing_compile_in_precompile_raises_after_the_others(
     compiled = torch.compile(mlp, backend='openxla', dynamic=True)
     w = xla(torch.randn(8, 4))
     with pytest.raises(signature_cache.CompileFailed,
-                       match=r'background compile of signature .*\[5, 8\].*'
+                       match=r'background (trace and )?compile of signature .*\[5, 8\].*'
                        'compile failed for 5 rows'):
       warmup.precompile(compiled,
                         [(TensorSpec((n, 8)), w) for n in SMALL_SIZES],
@@ -309,8 +314,10 @@ def test_traces_with_random_ops_give_the_serial_programs(indexed, monkeypatch):
                      torch_xla._XLAC._xla_get_rng_seed())
     on_workers[workers] = threads.on_workers()
     del compiled
-  # 2 workers compiled on the pool: not the serial path twice.
-  assert on_workers[1] == 0 and on_workers[2] > 0, on_workers
+  # 2 workers compiled on the pool: not the serial path twice. The graph's
+  # first signature compiles on the pool either way (see [Note: Traces on
+  # placeholders] in tracing.py).
+  assert on_workers[1] == 1 and on_workers[2] > 1, on_workers
   assert len(seen[1][1]) == len(SMALL_SIZES)
   assert seen[2] == seen[1]
 
@@ -371,8 +378,9 @@ def test_an_inplace_update_of_an_input_gives_eager_results(
   # With 2 workers every recorded signature went through the window, which
   # compiles a trace that updates an input on the calling thread, after
   # the compiles in flight (see [Note: Parallel compiles]): none on the
-  # pool.
-  assert on_workers == {1: (0, 0), 2: (len(SMALL_SIZES) - 1, 0)}
+  # pool but the graph's first signature, the call's own (see [Note: Traces
+  # on placeholders] in tracing.py).
+  assert on_workers == {1: (0, 1), 2: (len(SMALL_SIZES) - 1, 1)}
   assert seen[1][0][backlog.COUNTER_PRECOMPILED] == len(SMALL_SIZES) - 1
   assert seen[2] == seen[1]
 
