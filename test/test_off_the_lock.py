@@ -133,6 +133,21 @@ def check_steps(outcome):
   torch.testing.assert_close(cache, cache_cpu, rtol=1e-4, atol=1e-4)
 
 
+def steps_complete_while_held(cpu, step, hold, new_shape_call):
+  """Runs `new_shape_call` on a thread until `hold` holds its trace or
+  compile, makes 5 steps of the compiled shape meanwhile, then lets it go:
+  both give eager's results, and the hold was let go before its bound."""
+  thread, outcome = call_in_thread(new_shape_call, name='new-shape')
+  assert hold.held.wait(FAILURE_BOUND_S)
+  steps = decode_steps(cpu, step, 16, 5, seed=2)
+  hold.release()
+  thread.join()
+  assert hold.released_in_time
+  check_steps(steps)
+  assert 'error' not in outcome, outcome
+  check_steps(outcome['result'])
+
+
 @pytest.mark.parametrize('held', ['trace', 'compile'])
 @pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
 def test_calls_complete_while_a_donating_signature_is_made(
@@ -147,16 +162,8 @@ def test_calls_complete_while_a_donating_signature_is_made(
   cpu, step = compiled_writer(mode)
   decode_steps(cpu, step, 16, 2, seed=0)  # compiled, and learned
   hold = held_on_new_shape(monkeypatch, held)
-  thread, outcome = call_in_thread(lambda: decode_steps(cpu, step, 32, 3, 1),
-                                   name='new-shape')
-  assert hold.held.wait(FAILURE_BOUND_S)
-  steps = decode_steps(cpu, step, 16, 5, seed=2)
-  hold.release()
-  thread.join()
-  assert hold.released_in_time
-  check_steps(steps)
-  assert 'error' not in outcome, outcome
-  check_steps(outcome['result'])
+  steps_complete_while_held(cpu, step, hold,
+                            lambda: decode_steps(cpu, step, 32, 3, 1))
 
 
 @pytest.mark.parametrize('held', ['trace', 'compile'])
@@ -184,15 +191,7 @@ def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
       got = step(xla(x), xla(slots), cache).cpu()
     return [got], [eager_step(cpu, x, slots, cache_cpu)], cache.cpu(), cache_cpu
 
-  thread, outcome = call_in_thread(other_batch, name='new-shape')
-  assert hold.held.wait(FAILURE_BOUND_S)
-  steps = decode_steps(cpu, step, 16, 5, seed=2)
-  hold.release()
-  thread.join()
-  assert hold.released_in_time
-  check_steps(steps)
-  assert 'error' not in outcome, outcome
-  check_steps(outcome['result'])
+  steps_complete_while_held(cpu, step, hold, other_batch)
 
 
 def test_a_sync_of_every_tensor_waits_for_traces_on_placeholders(
