@@ -128,6 +128,9 @@ def trained(optimizer_name, foreach, donate, tmp_path):
       f't.train({optimizer_name!r}, {foreach!r}, {out!r})',
       env={
           'XLA_PATCHES_DONATE': '1' if donate else '0',
+          # Traced on the arguments: on placeholders, the first step's
+          # copies depend on timing (docs/known-limits.md).
+          'XLA_PATCHES_TRACE_ON_PLACEHOLDERS': '0',
           'PYTHONPATH': TEST_DIR
       })
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -91,6 +91,14 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   return tracing.TracedGraph(entry=traced.entry, graph_tensors=[])
 
 
+def _thread_state_not_shared() -> bool:
+  """Whether this thread runs under autocast (on any device type) or in
+  inference mode, which a trace on another thread would not see."""
+  return (torch.is_inference_mode_enabled() or any(
+      torch.is_autocast_enabled(device_type)
+      for device_type in ('cpu', 'cuda', 'xla')))
+
+
 def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
                    layout: ArgLayout) -> Optional[tracing.DetachedTrace]:
   """A trace and compile of the signature of `args` on placeholders for
@@ -98,6 +106,10 @@ def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   [Note: Traces on placeholders] in tracing.py); None where the arguments
   must be traced themselves."""
   if not tracing.can_trace_on_placeholders(xla_model, args, layout):
+    return None
+  if _thread_state_not_shared():
+    # The trace may run on the compile pool, whose thread has none of this
+    # thread's autocast or inference mode; grad mode alone is carried over.
     return None
 
   def trace_and_compile(on_pool: bool) -> Optional[CompiledGraphEntry]:

@@ -750,9 +750,6 @@ def trace_on_placeholders(xla_model: torch.fx.GraphModule, args: Sequence[Any],
     # input of the program.
     inputs = set(traced.entry.graph_input_matcher.arg_idxs)
     donated = tuple(position for position in donated if position in inputs)
-    if donated:
-      increment_counter(COUNTER_DONATED, len(donated))
-      peers = _donation_peers(args, donated, inputs)
   # A placeholder the matching did not find would be a constant of the
   # program, passed to every run: a buffer that does not exist.
   if any(value is not None and _holds_no_buffer(value)
@@ -760,6 +757,10 @@ def trace_on_placeholders(xla_model: torch.fx.GraphModule, args: Sequence[Any],
     raise UnsupportedGraphInput(
         'a placeholder was not matched to its argument; tracing the '
         'arguments')
+  if donated:
+    # Counted once the trace is kept (the arguments' trace counts its own).
+    increment_counter(COUNTER_DONATED, len(donated))
+    peers = _donation_peers(args, donated, inputs)
   computed = torch_xla._XLAC._check_tensor_need_materialization(
       traced.graph_tensors) if traced.graph_tensors else []
   # What a trace with collectives left for the next one; the compile does
