@@ -269,9 +269,10 @@ def test_a_failing_compile_in_precompile_raises_after_the_others(
     met.clear_all()
     compiled = torch.compile(mlp, backend='openxla', dynamic=True)
     w = xla(torch.randn(8, 4))
-    with pytest.raises(signature_cache.CompileFailed,
-                       match=r'background (trace and )?compile of signature .*\[5, 8\].*'
-                       'compile failed for 5 rows'):
+    with pytest.raises(
+        signature_cache.CompileFailed,
+        match=r'background (trace and )?compile of signature .*\[5, 8\].*'
+        'compile failed for 5 rows'):
       warmup.precompile(compiled,
                         [(TensorSpec((n, 8)), w) for n in SMALL_SIZES],
                         progress=False)
