@@ -324,13 +324,10 @@ def test_padded_prompts_give_eagers_tokens():
     assert met.counter_value('ServeCapturedAgain') == 1
 
 
-@pytest.mark.requires('torch_aot_compile')
-def test_generate_steps_take_the_fast_path_from_the_cache_they_are_given():
-  # See [Note: Objects in a call] in call_spec.py and [Note: Results the
-  # captured code builds] in call_plan.py: each step's key holds the
-  # cache's layout and sizes, the plan reads its tensors from this call's
-  # cache, and the CausalLMOutputWithPast is built as the captured code
-  # builds it, holding this call's cache.
+def served_llama_forward():
+  """(cpu, model, prompts, expected, device, served): a tiny Llama whose
+  forward serves batch 1's buckets, compiled, with eager's greedy tokens
+  for one prompt."""
   cpu, model = hf_models.build('llama')
   prompts = PROMPTS[:1]
   expected = generate(cpu, prompts, static_cache(cpu, 1, 'cpu'))
@@ -339,6 +336,17 @@ def test_generate_steps_take_the_fast_path_from_the_cache_they_are_given():
                                    buckets(static_cache(model, 1, device), 1),
                                    wait=True)
   model.forward = served
+  return cpu, model, prompts, expected, device, served
+
+
+@pytest.mark.requires('torch_aot_compile')
+def test_generate_steps_take_the_fast_path_from_the_cache_they_are_given():
+  # See [Note: Objects in a call] in call_spec.py and [Note: Results the
+  # captured code builds] in call_plan.py: each step's key holds the
+  # cache's layout and sizes, the plan reads its tensors from this call's
+  # cache, and the CausalLMOutputWithPast is built as the captured code
+  # builds it, holding this call's cache.
+  cpu, model, prompts, expected, device, served = served_llama_forward()
   met.clear_counters()
   cache = static_cache(model, 1, device)
   # The first prompt and the first one-token step take the full path and
@@ -406,14 +414,7 @@ def test_a_second_generation_compiles_nothing():
   # a call's pending inputs in the same order (see [Note: Bound programs]
   # in bound_program.py), so the second generation, fast from its prompt
   # on, finds every sync's program compiled.
-  cpu, model = hf_models.build('llama')
-  prompts = PROMPTS[:1]
-  expected = generate(cpu, prompts, static_cache(cpu, 1, 'cpu'))
-  device = torch_xla.device()
-  served = torch_xla_patches.serve(model.forward,
-                                   buckets(static_cache(model, 1, device), 1),
-                                   wait=True)
-  model.forward = served
+  cpu, model, prompts, expected, device, served = served_llama_forward()
   cache = static_cache(model, 1, device)
   assert generate(model, prompts.to(device), cache) == expected
   fast_before, compiles_before = served.fast_calls, xla_compiles()
