@@ -68,17 +68,21 @@ class _Progress:
         item.description, item.seconds, item.compile_seconds, eta)
 
 
-def _materialize(spec: Any, device,
-                 pool: Dict[Any, torch.Tensor]) -> Tuple[tuple, Dict[str, Any]]:
-  """(args, kwargs) of one entry of precompile's specs; CallSpec tensors are
-  shared between entries through `pool` (see CallSpec.materialize)."""
+def _materialize(spec: Any,
+                 device,
+                 pool: Dict[Any, torch.Tensor],
+                 for_trace: bool = True) -> Tuple[tuple, Dict[str, Any]]:
+  """(args, kwargs) of one entry of precompile's specs, on placeholders
+  with `for_trace`; CallSpec tensors are shared between entries through
+  `pool` (see CallSpec.materialize)."""
   if isinstance(spec, CallSpec):
-    return spec.materialize(device, pool, for_trace=True)
+    return spec.materialize(device, pool, for_trace=for_trace)
   items = spec if isinstance(spec, (tuple, list)) else (spec,)
   args = []
   for item in items:
     if isinstance(item, TensorSpec):
-      args.append(item.for_trace(device))
+      args.append(
+          item.for_trace(device) if for_trace else item.materialize(device))
     elif isinstance(item, torch.Tensor):
       args.append(item.to(device))
     else:
@@ -143,15 +147,28 @@ def _start_placeholder_call(
     # io_utils.py): nothing for a sync to wait for.
     args, kwargs = _materialize(spec, device, pool)
     return args, kwargs, compile_without_running(compiled_fn, args, kwargs)
+  failure = None
   io_utils.placeholder_traces.begin()
   try:
     args, kwargs = _materialize(spec, device, pool)
     compiles = compile_without_running(compiled_fn, args, kwargs)
+  except Exception as error:  # pylint: disable=broad-except
+    io_utils.placeholder_traces.end()
+    failure = f'{type(error).__name__}: {error}'
   except BaseException:
     io_utils.placeholder_traces.end()
     raise
   finally:
     io_utils.placeholder_traces.traced()
+  if failure is not None:
+    # An op that read a placeholder's buffer raised (a CPU fallback the
+    # look-ahead did not foresee, in a graph run eagerly): the call is made
+    # again, out of flight, on tensors of its own, which cost their memory.
+    logger.info(
+        'a warm-up call on placeholders raised %s; warming it up on '
+        'zeros', failure)
+    args, kwargs = _materialize(spec, device, {}, for_trace=False)
+    return args, kwargs, compile_without_running(compiled_fn, args, kwargs)
   io_utils.placeholder_traces.end_when_done(compiles)
   return args, kwargs, compiles
 
