@@ -53,8 +53,13 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 #      and the compile pool's own lock, each guarding its counts or queue
 #      alone and never held while waiting for anything else;
 #   5. torch_xla's device lock, taken inside torch_xla by a run or a sync
-#      and let go when its program is done (an XLA compile of a graph,
-#      `_xla_warm_up_cache`, takes none).
+#      and let go when its program is done. An XLA compile of a graph
+#      (`_xla_warm_up_cache`) whose inputs all hold buffers takes none; one
+#      with a placeholder among its inputs (see [Note: Placeholder tensors]
+#      in io_utils.py) takes it for the whole compile (torch's lazy graph
+#      walk waits on an input with no buffer as on a run's result still to
+#      come), so every run of the device waits for that compile; it waits
+#      for nothing of ours meanwhile.
 # No thread takes a lock earlier in that order while it holds a later one:
 # nothing calls a compiled graph under execution_lock or under dynamo's
 # compile lock (a graph's first call runs in dynamo's transformed code,

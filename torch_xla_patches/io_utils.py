@@ -69,7 +69,9 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
 # buffer (torch_xla's placeholder tensor), so a bucket's KV cache costs no
 # device memory and a trace touches no tensor another thread runs. Lazy
 # tracing, graph hashes and XLA compiles (`_xla_warm_up_cache`) read only the
-# shape of such data. Running a program that reads it crashes the process
+# shape of such data; but a compile of a graph with a placeholder among its
+# inputs holds torch_xla's device lock throughout (see [Note: Threads] in
+# execution.py), and runs of other threads wait for it. Running a program that reads it crashes the process
 # (torch_xla does not check), so whatever holds a placeholder's IR must
 # never be run: the trace's restore gives a placeholder a fresh one instead
 # of syncing it (ArgumentsRestore in tracing.py), and every trace on
