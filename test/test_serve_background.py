@@ -141,10 +141,13 @@ def test_a_compile_that_raises_reaches_its_bucket_only(slow_compiles):
   cpu, model = models()
   served = torch_xla_patches.serve(model, BUCKETS, wait=False)
   # Once every bucket is traced (compiled or compiling), the call of the
-  # failing one waits for its compile.
+  # failing one waits for its compile. The warm-up makes the first capture
+  # (see [Note: The first capture] in serving.py).
   deadline = time.perf_counter() + 60
   while time.perf_counter() < deadline:
-    cache = served.compiled.backend_callable.signature_cache
+    compiled = served.compiled
+    cache = (compiled.backend_callable.signature_cache
+             if compiled is not None else None)
     if cache is not None and len(cache.entries) + len(cache.compiling) == 4:
       break
     time.sleep(0.01)

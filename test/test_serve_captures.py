@@ -126,6 +126,63 @@ def test_a_restart_loads_every_capture(tmp_path):
   assert 'expected 3 captures' in loaded.reason
 
 
+def test_a_first_request_waits_for_its_own_capture_alone(
+    patched_bridge, monkeypatch):
+  # See [Note: The first capture] in serving.py: serve() in the background
+  # captures nothing before it returns, and the first request's call is the
+  # first captured, not the bucket serve(wait=True) captures first (the
+  # prompt, whose guards refuse a step).
+  monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
+  capture = serving._capture
+  shapes = []
+
+  def recorded_capture(model, key, args, kwargs):
+    shapes.append(tuple(args[0].shape))
+    return capture(model, key, args, kwargs)
+
+  monkeypatch.setattr(serving, '_capture', recorded_capture)
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, BUCKETS, wait=False)
+  assert shapes == []
+  assert served.captures() == [] and served.calls is None
+  check(served, cpu, STEP)
+  # Its answer opens the warm-up's gate: the prompt's capture may follow.
+  assert shapes[0] == STEP
+  assert served.wait_ready(timeout=120)
+  assert shapes == [STEP, PROMPT]
+  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
+  for _ in range(2):
+    check(served, cpu, PROMPT)
+    check(served, cpu, STEP)
+  assert counter(fast_dispatch.COUNTER_RETRACE) == 0
+
+
+def test_a_first_capture_that_cannot_be_made_serves_with_torch_compile(
+    patched_bridge, monkeypatch):
+  # Where the first request's capture fails, torch.compile serves every
+  # call, as serve(wait=True) serves a model it cannot capture.
+  monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
+  attempts = []
+
+  def failing_capture(model, key, args, kwargs):
+    attempts.append(1)
+    return None
+
+  monkeypatch.setattr(serving, '_capture', failing_capture)
+  cpu, model = models()
+  served = torch_xla_patches.serve(model, BUCKETS, wait=False)
+  check(served, cpu, STEP)
+  assert attempts == [1]
+  assert served.captures() == [] and served.calls is None
+  assert served.wait_ready(timeout=120)
+  for _ in range(2):
+    check(served, cpu, PROMPT)
+    check(served, cpu, STEP)
+  # Tried once: the calls after it go to torch.compile.
+  assert attempts == [1]
+  assert served.readiness() == warmup.Readiness(ready=2, total=2, failed=())
+
+
 def test_a_first_request_is_answered_while_another_buckets_capture_is_held(
     patched_bridge, monkeypatch):
   # See [Note: Captures after the first request] in warmup.py. The step

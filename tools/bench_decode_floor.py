@@ -83,6 +83,9 @@ def bridge_view(served: Any) -> BridgeView:
   full call ran: the same entry, so the same graph hash, as the fast path's
   bound program of that bucket.
   """
+  # The warm-up has made the first capture once it is done (see [Note: The
+  # first capture] in serving.py).
+  served.wait_ready()
   backend = served.compiled.backend_callable
   # The served path's calls, before and after their refactor into `calls`.
   served_calls = getattr(served, 'fast_path', None) or served.calls

@@ -112,8 +112,11 @@ def make_served(width, depth, batches, device):
   module = importlib.import_module('bench_dispatch_served')
   torch.manual_seed(0)
   model = module.LinearStack(width, depth).to(device)
+  # wait=True: the first capture is made before serve() returns (see [Note:
+  # The first capture] in serving.py).
   served = torch_xla_patches.serve(
-      model, [(TensorSpec((b, width), torch.float32),) for b in batches])
+      model, [(TensorSpec((b, width), torch.float32),) for b in batches],
+      wait=True)
   backend = served.compiled.backend_callable
   floor = []
   for batch in batches:

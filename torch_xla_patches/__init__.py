@@ -226,8 +226,9 @@ def serve(model,
     cache_dir: where the artifact (and, unless apply() was given another
       directory, the signature index) is kept across restarts; default
       XLA_PATCHES_CACHE_DIR. None: nothing is kept.
-    wait: False: return once the model is captured or loaded, with the
-      buckets compiling in the background (see [Note: Ready at once] in
+    wait: False: return at once (the first call captures the model) or
+      once the artifact is loaded, with the buckets compiling in the
+      background (see [Note: Ready at once] in
       serving.py; served.readiness(), served.wait_ready()); True: return
       once every bucket is compiled. Default XLA_PATCHES_SERVE_WAIT (off).
   Returns:

@@ -192,13 +192,18 @@ class ServedModel:
   Args:
     captures: the captures made or loaded so far (aot_compile'd
       CompiledModels), or a single torch.compile'd module (torch 2.8, or
-      where aot_compile could not capture the model), which has no fast path.
+      where aot_compile could not capture the model), which has no fast path;
+      none on a first start that captures on the first call (see [Note:
+      The first capture] in serving.py), which then needs `capture` and
+      `fallback`.
     model: the served module.
     artifact: the artifact path this process loaded or wrote, or None.
     loaded: whether the artifact was loaded and serves the buckets (no
       dynamo frame).
     capture: captures the model on a call's (args, kwargs); returns None
       where it cannot. None: calls no capture accepts are traced again.
+    fallback: with no capture, makes what serves every call where the
+      first capture cannot be made (the model compiled with torch.compile).
   """
 
   # More captures than this: the model's guards depend on something that
@@ -211,19 +216,23 @@ class ServedModel:
                artifact: Optional[str],
                loaded: bool,
                capture: Optional[Callable[[tuple, Dict[str, Any]],
-                                          Optional[Any]]] = None):
+                                          Optional[Any]]] = None,
+               fallback: Optional[Callable[[], Any]] = None):
     self.model = model
     self.artifact = artifact
     self.loaded = loaded
-    self.compiled = captures[0]
-    if isinstance(self.compiled, serialization.CompiledModel):
-      self._served: Tuple[ServedCalls, ...] = tuple(
-          ServedCalls(compiled, model, self._refused) for compiled in captures)
-      # Every call of the first capture; the others' in _served.
-      self.calls: Optional[ServedCalls] = self._served[0]
+    # The first capture, or the torch.compile'd module; None until the
+    # first capture is made (see [Note: The first capture] in serving.py).
+    self.compiled = captures[0] if captures else None
+    if captures and not isinstance(self.compiled, serialization.CompiledModel):
+      self._served: Tuple[ServedCalls, ...] = ()
     else:
-      self._served = ()
-      self.calls = None
+      self._served = tuple(
+          ServedCalls(compiled, model, self._refused) for compiled in captures)
+    if not captures and (capture is None or fallback is None):
+      raise ValueError('torch_xla_patches: a served model with no capture '
+                       'needs a capture and a fallback')
+    self._fallback = fallback
     self._capture = capture
     self._capture_lock = threading.Lock()
     # Call key -> the ServedCalls whose guards accepted it, for keys the
@@ -254,6 +263,18 @@ class ServedModel:
     return [calls.compiled for calls in self._served]
 
   @property
+  def calls(self) -> Optional['ServedCalls']:
+    """Every call of the first capture (the others' are in _served); None
+    before it is made, or with no capture (torch.compile)."""
+    served = self._served
+    return served[0] if served else None
+
+  @property
+  def can_capture(self) -> bool:
+    """Whether calls no capture accepts are captured (else traced again)."""
+    return self._capture is not None
+
+  @property
   def fast_calls(self) -> int:
     """Calls served by the fast path, of every capture."""
     return sum(calls.fast_calls for calls in self._served)
@@ -279,8 +300,10 @@ class ServedModel:
         first.request_answered()
     served = self._served
     if not served:
-      with torch.no_grad():
-        return self.compiled(*args, **kwargs)
+      served = self._first_capture(args, kwargs)
+      if not served:
+        with torch.no_grad():
+          return self.compiled(*args, **kwargs)
     key, leaves = call_spec.call_key(args, kwargs, served[0].sharding_of)
     calls = served[0]
     if key is None:
@@ -296,14 +319,43 @@ class ServedModel:
     none made so far does (see [Note: One capture per guard set] in
     serving.py); a warm-up makes it before its compile-only call of the
     bucket, so that the capture is not part of that call."""
-    if self._served and self._accepting(args, kwargs, None) is None:
+    if not self._served:
+      self._first_capture(args, kwargs)
+    elif self._accepting(args, kwargs, None) is None:
       self._captured_for(args, kwargs)
+
+  def _first_capture(self, args: tuple,
+                     kwargs: Dict[str, Any]) -> Tuple['ServedCalls', ...]:
+    """The captures, once the first is made on this call (see [Note: The
+    first capture] in serving.py); () if the model is served by
+    torch.compile, which then serves every call."""
+    if self._served or self._fallback is None:
+      return self._served
+    with self._capture_lock:
+      if not self._served and self._fallback is not None:
+        compiled = self._capture(args, kwargs)
+        if compiled is None or not compiled.guard_check(*args, **kwargs):
+          if compiled is not None:
+            logger.warning(
+                'torch_xla_patches.serve: a capture of %s refuses the call '
+                'it was made on (%s); serving it with torch.compile',
+                type(self.model).__name__,
+                compiled.guard_failure(*args, **kwargs))
+          # `capture` said why in the log where it could not capture.
+          self.compiled = self._fallback()
+          self._capture = None
+        else:
+          self.compiled = compiled
+          with execution.execution_lock:
+            self._served = (ServedCalls(compiled, self.model, self._refused),)
+        self._fallback = None
+    return self._served
 
   def compile_only_call(self, *args, **kwargs):
     """A warm-up's call (see [Note: Compile-only calls] in execution.py):
     the full path, whose bridge compiles and stops, never the fast path,
     whose learned run of a key a request taught would run its program."""
-    served = self._served
+    served = self._served or self._first_capture(args, kwargs)
     if not served:
       return self(*args, **kwargs)
     key, leaves = call_spec.call_key(args, kwargs, served[0].sharding_of)

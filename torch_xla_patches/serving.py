@@ -42,8 +42,8 @@ captures keep being made (ServedModel.MAX_CAPTURES), calls no capture
 accepts are traced again with torch.compile (COUNTER_RETRACE).
 
 [Note: Ready at once]
-serve() returns once the model is captured (or its artifact loaded): the
-buckets compile on a daemon thread (warmup.BackgroundWarmUp), each traced
+serve() returns at once, or once its artifact is loaded (see [Note: The
+first capture]): the buckets compile on a daemon thread (warmup.BackgroundWarmUp), each traced
 there without running (see [Note: Compile-only calls] in execution.py) and
 compiled on the compile pool, in the order given, and the artifact is
 written when they are done. Meanwhile a call of a compiled bucket runs at
@@ -212,14 +212,17 @@ def _compile_buckets(served: ServedModel,
   if a bucket's compile raised, as a batch job would want to know); `then`
   runs once they are done."""
   needs_capture = None
-  if served.calls is not None:
+  if served.can_capture:
     needs_capture = functools.partial(_needs_capture, served)
-  served.warm_up = warmup.BackgroundWarmUp(served.compile_only_call,
-                                           buckets,
-                                           tensor_pool,
-                                           then,
-                                           needs_capture,
-                                           capture=served.capture_for)
+  example = _example(buckets)
+  served.warm_up = warmup.BackgroundWarmUp(
+      served.compile_only_call,
+      buckets,
+      tensor_pool,
+      then,
+      needs_capture,
+      capture=served.capture_for,
+      capture_first=next(i for i, b in enumerate(buckets) if b is example))
   # See [Note: Captures after the first request] in warmup.py.
   served.first_request = served.warm_up.gate
   if wait and not served.warm_up.wait():
@@ -247,6 +250,22 @@ def _save(served: ServedModel, path: str, key: ServeKey) -> None:
     logger.warning(
         'torch_xla_patches.serve: could not write %s (%s); the next restart '
         'traces again', path, e)
+
+
+# [Note: The first capture]
+# serve(wait=True) captures the model on one bucket before it returns (the
+# example: its smallest size largest, see _example). serve() in the
+# background (the default) returns before any capture: the first call of
+# the served model, a request's or the warm-up's, makes it on its own
+# arguments (ServedModel._first_capture). A first request thus waits for its
+# own capture and compile alone, never for a capture of a bucket whose
+# guards may refuse it (a batch of 1 where the example has 2: dynamo
+# specializes 1); the warm-up's captures wait for that first request (see
+# [Note: Captures after the first request] in warmup.py), the example
+# first. With no request, the warm-up starts config.serve_capture_delay
+# seconds after serve() returns, or when something waits for it
+# (wait_ready()). A model the first capture cannot capture is then served
+# by torch.compile, as serve(wait=True) would serve it.
 
 
 def _example(buckets: Sequence[CallSpec]) -> CallSpec:
@@ -341,10 +360,11 @@ def serve(model: torch.nn.Module,
   loaded = _load(path, model, key, buckets)
   captures = loaded.captures
   tensor_pool: Optional[Dict[Any, torch.Tensor]] = None
-  if not captures:
-    if loaded.reason:
-      logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model,
-                  loaded.reason)
+  if not captures and loaded.reason:
+    logger.info('torch_xla_patches.serve: tracing %s (%s)', key.model,
+                loaded.reason)
+  if not captures and wait:
+    # See [Note: The first capture].
     # The buckets then reuse the example's tensors (a whole KV cache, say).
     tensor_pool = {}
     import torch_xla
@@ -360,7 +380,12 @@ def serve(model: torch.nn.Module,
                        module,
                        path,
                        loaded=bool(loaded.captures),
-                       capture=functools.partial(_capture, model, key))
+                       capture=functools.partial(_capture, model, key),
+                       fallback=functools.partial(torch.compile,
+                                                  model,
+                                                  backend='openxla',
+                                                  dynamic=True))
+
   if forward_call:
     _as_forward(served, module)
   if not wait:

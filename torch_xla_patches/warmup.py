@@ -307,6 +307,9 @@ class BackgroundWarmUp:
     capture: makes the capture such a bucket needs, before its
       compile-only call (so a sync never waits for a capture, see [Note:
       Syncs wait for placeholder graphs] in io_utils.py).
+    capture_first: the index of the bucket whose capture is made first
+      among those that need one (serve()'s example, see [Note: The first
+      capture] in serving.py); the others follow in order.
   """
 
   def __init__(self,
@@ -317,8 +320,10 @@ class BackgroundWarmUp:
                needs_capture: Optional[Callable[[tuple, Dict[str, Any]],
                                                 bool]] = None,
                capture: Optional[Callable[[tuple, Dict[str, Any]],
-                                          None]] = None):
+                                          None]] = None,
+               capture_first: Optional[int] = None):
     self._call = call
+    self._capture_first = capture_first
     self._specs = list(specs)
     self._tensor_pool = tensor_pool
     self._then = then
@@ -419,10 +424,11 @@ class BackgroundWarmUp:
     """The buckets that need a capture of their own (see [Note: Captures
     after the first request])."""
     device = torch_xla.device()
-    return [
+    deferred = [
         index for index, spec in enumerate(self._specs)
         if self._needs_a_capture(spec, device, self._pool())
     ]
+    return sorted(deferred, key=lambda index: index != self._capture_first)
 
   def _needs_a_capture(self, spec: Any, device: Any,
                        pool: Dict[Any, torch.Tensor]) -> bool:
