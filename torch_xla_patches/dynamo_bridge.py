@@ -214,8 +214,6 @@ def extract_internal(xla_model: torch.fx.GraphModule):
         refusal = next_refusal
     raise refusal.__cause__ or refusal
 
-  entries = cache.entries
-
   def optimized_mod(*args, key: Optional[Hashable] = None):
     """Runs the graph on `args`. `key` is their signature key
     (`optimized_mod.signature_cache.key_of(args)`) when the caller has
@@ -224,9 +222,12 @@ def extract_internal(xla_model: torch.fx.GraphModule):
     if key is None:
       key = key_of(args)
     synced = ()
-    # Read without the lock, only to tell a new signature, whose own inputs
-    # are synced before it; the look-up under the lock decides.
-    if key not in entries and not upstream_config.skip_input_data_check:
+    # The call's own inputs are synced before the lock: a sync of inputs of
+    # a new size (a cache just reset) compiles a graph of its own, which
+    # then keeps no other thread's call waiting. Pending IR another thread
+    # gives them meanwhile is refused by the run and synced after (see
+    # [Note: Input materialization check]).
+    if not upstream_config.skip_input_data_check:
       synced = execution.sync_before_the_lock(checked_tensors(args))
     with execution.execution_lock:
       if synced:
@@ -239,7 +240,7 @@ def extract_internal(xla_model: torch.fx.GraphModule):
       if entry is None:
         entry = cache.on_miss(key, args)
       try:
-        results = run(entry, args, checked_tensors(args))
+        results = run(entry, args, ())
       except RefusedBeforeRun as refusal:
         entry, results = run_after_refusal(refusal, key, entry, args)
       outputs = entry.output_plan.assemble(results, args)

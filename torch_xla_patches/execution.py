@@ -28,17 +28,16 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # call of a compiled graph, from its look-up to its outputs (look-up, run,
 # usage, backlog), holds one process-wide reentrant lock, `execution_lock`.
 # The key comes before the lock, from the call's arguments alone, and so
-# does a look at the entries (a read of a dict another thread may change)
-# that only decides whether a new signature's inputs are synced first. One
+# does the sync of the call's own inputs that have pending IR (a compile of
+# its own where they have a new shape: sync_before_the_lock). One
 # device runs one program at a time anyway, and the host work under the
 # lock is that of a single-threaded call. What makes a program does not hold
 # it where it can help: a new signature is traced on placeholders for its
 # arguments and compiled with the lock let go (see [Note: Traces on
 # placeholders] in tracing.py and [Note: Compiles outside the lock] in
 # signature_cache.py), a graph's first signature compiles on the compile
-# pool once the graph is handed over (extracted_once), and a new
-# signature's own inputs are synced before the lock (sync_before_the_lock),
-# so that calls of compiled programs go on meanwhile. What still holds it:
+# pool once the graph is handed over (extracted_once), and a call's own
+# inputs are synced before the lock (sync_before_the_lock), so that calls of compiled programs go on meanwhile. What still holds it:
 # a trace of the arguments themselves (views, aliases, SPMD; with its
 # restore), a graph's hand-over (its look-ahead run), a capture and a
 # guard check (see [Note: What reads the model's tensors] in
@@ -236,10 +235,10 @@ def sync_pending_inputs(tensors: Sequence[torch.Tensor]) -> None:
 def sync_before_the_lock(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
   """Materializes, without execution_lock, those of a call's own inputs
   (not parameters, which other threads read) that have pending IR; returns
-  them, for note_synced_inputs under the lock. A new signature's inputs
-  (fresh tensors of a new shape) take an XLA compile of their own, which
-  then keeps no other thread's call waiting (see [Note: Compiles outside
-  the lock] in signature_cache.py)."""
+  them, for note_synced_inputs under the lock. Inputs of a new shape (a new
+  signature's, a cache of a new size just reset) take an XLA compile of
+  their own, which then keeps no other thread's call waiting (see [Note:
+  Compiles outside the lock] in signature_cache.py)."""
   flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
   if True not in flags:
     return []

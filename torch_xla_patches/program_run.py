@@ -45,7 +45,7 @@ def run_entry(entry: CompiledGraphEntry, pending: Sequence[torch.Tensor],
   """
   if not entry.output_plan.num_results:
     return []
-  if not upstream_config.skip_input_data_check:
+  if pending and not upstream_config.skip_input_data_check:
     sync_pending_inputs(pending)
   results = run_program(entry.graph_hash, inputs())
   write_back(entry, results, argument, drop_update_log)
