@@ -136,9 +136,9 @@ def test_a_first_request_waits_for_its_own_capture_alone(
   capture = serving._capture
   shapes = []
 
-  def recorded_capture(model, key, args, kwargs):
-    shapes.append(tuple(args[0].shape))
-    return capture(model, key, args, kwargs)
+  def recorded_capture(model, key, args, kwargs, static=False):
+    shapes.append((tuple(args[0].shape), static))
+    return capture(model, key, args, kwargs, static)
 
   monkeypatch.setattr(serving, '_capture', recorded_capture)
   cpu, model = models()
@@ -147,10 +147,14 @@ def test_a_first_request_waits_for_its_own_capture_alone(
   assert served.captures() == [] and served.calls is None
   check(served, cpu, STEP)
   # Its answer opens the warm-up's gate: the prompt's capture may follow.
-  assert shapes[0] == STEP
+  # With its sizes as they are, as torch.compile's first trace.
+  assert shapes[0] == (STEP, True)
   assert served.wait_ready(timeout=120)
-  assert shapes == [STEP, PROMPT]
-  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
+  # The warm-up makes the captures with dynamic sizes its buckets need, as
+  # if the static one were not there: the example first.
+  assert shapes == [(STEP, True), (PROMPT, False), (STEP, False)]
+  assert len(served.captures()) == 3
+  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 2
   for _ in range(2):
     check(served, cpu, PROMPT)
     check(served, cpu, STEP)
@@ -164,7 +168,7 @@ def test_a_first_capture_that_cannot_be_made_serves_with_torch_compile(
   monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
   attempts = []
 
-  def failing_capture(model, key, args, kwargs):
+  def failing_capture(model, key, args, kwargs, static=False):
     attempts.append(1)
     return None
 
@@ -218,7 +222,8 @@ def test_a_first_request_is_answered_while_another_buckets_capture_is_held(
   assert answered_first
   assert held.wait(timeout=120)
   assert served.wait_ready(timeout=120)
-  assert len(served.captures()) == 2
+  # The request's, with static sizes, and the two the buckets need.
+  assert len(served.captures()) == 3
   check(served, cpu, STEP)
   check(served, cpu, PROMPT)
   assert counter(fast_dispatch.COUNTER_RETRACE) == 0
@@ -242,10 +247,22 @@ def test_a_first_request_that_needs_a_capture_makes_it_once(
     patched_bridge, monkeypatch):
   monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
   cpu, model = models()
+  capture = serving._capture
+  shapes = []
+
+  def recorded_capture(model, key, args, kwargs, static=False):
+    shapes.append((tuple(args[0].shape), static))
+    return capture(model, key, args, kwargs, static)
+
+  monkeypatch.setattr(serving, '_capture', recorded_capture)
   served = torch_xla_patches.serve(model, BUCKETS, wait=False)
-  # The step's own capture, made by the request; the warm-up finds it made.
+  # The first request's capture (static sizes), then the step's own capture,
+  # made by the second request or by the warm-up (its gate is open), once.
+  check(served, cpu, PROMPT)
   check(served, cpu, STEP)
   assert served.wait_ready(timeout=120)
-  assert len(served.captures()) == 2
-  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
+  assert sorted(shapes) == sorted([(PROMPT, True), (PROMPT, False),
+                                   (STEP, False)])
+  assert len(served.captures()) == 3
+  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 2
   check(served, cpu, PROMPT)

@@ -233,6 +233,10 @@ class ServedModel:
       raise ValueError('torch_xla_patches: a served model with no capture '
                        'needs a capture and a fallback')
     self._fallback = fallback
+    # A first request's capture, with static sizes (see [Note: The first
+    # capture] in serving.py); the warm-up makes the captures its buckets
+    # need as if it were not there.
+    self._static: Optional[ServedCalls] = None
     self._capture = capture
     self._capture_lock = threading.Lock()
     # Call key -> the ServedCalls whose guards accepted it, for keys the
@@ -300,7 +304,7 @@ class ServedModel:
         first.request_answered()
     served = self._served
     if not served:
-      served = self._first_capture(args, kwargs)
+      served = self._first_capture(args, kwargs, static=True)
       if not served:
         with torch.no_grad():
           return self.compiled(*args, **kwargs)
@@ -321,19 +325,32 @@ class ServedModel:
     bucket, so that the capture is not part of that call."""
     if not self._served:
       self._first_capture(args, kwargs)
-    elif self._accepting(args, kwargs, None) is None:
-      self._captured_for(args, kwargs)
+    elif self._accepting(args, kwargs, self._static) is None:
+      self._captured_for(args, kwargs, self._static)
 
-  def _first_capture(self, args: tuple,
-                     kwargs: Dict[str, Any]) -> Tuple['ServedCalls', ...]:
+  def needs_capture(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
+    """Whether the warm-up's call (args, kwargs) of a bucket needs a capture:
+    no capture made so far accepts it, a request's first capture with
+    static sizes aside (see [Note: The first capture] in serving.py). The
+    guards read the model's tensors under the lock (see [Note: What reads
+    the model's tensors] in serialization.py)."""
+    with execution.execution_lock:
+      return self._accepting(args, kwargs, self._static) is None
+
+  def _first_capture(self,
+                     args: tuple,
+                     kwargs: Dict[str, Any],
+                     static: bool = False) -> Tuple['ServedCalls', ...]:
     """The captures, once the first is made on this call (see [Note: The
-    first capture] in serving.py); () if the model is served by
-    torch.compile, which then serves every call."""
+    first capture] in serving.py), with static sizes for a request's; ()
+    if the model is served by torch.compile, which then serves every
+    call."""
     if self._served or self._fallback is None:
       return self._served
     with self._capture_lock:
       if not self._served and self._fallback is not None:
-        compiled = self._capture(args, kwargs)
+        compiled = (self._capture(args, kwargs, static=True)
+                    if static else self._capture(args, kwargs))
         if compiled is None or not compiled.guard_check(*args, **kwargs):
           if compiled is not None:
             logger.warning(
@@ -346,8 +363,11 @@ class ServedModel:
           self._capture = None
         else:
           self.compiled = compiled
+          calls = ServedCalls(compiled, self.model, self._refused)
+          if static:
+            self._static = calls
           with execution.execution_lock:
-            self._served = (ServedCalls(compiled, self.model, self._refused),)
+            self._served = (calls,)
         self._fallback = None
     return self._served
 
@@ -396,12 +416,16 @@ class ServedModel:
         return calls
     return None
 
-  def _captured_for(self, args: tuple,
-                    kwargs: Dict[str, Any]) -> Optional['ServedCalls']:
+  def _captured_for(
+      self,
+      args: tuple,
+      kwargs: Dict[str, Any],
+      ignoring: Optional['ServedCalls'] = None) -> Optional['ServedCalls']:
     """A capture of the model on this call, made once: another thread may
-    have made it meanwhile. None where the model cannot be captured again."""
+    have made it meanwhile (one that `ignoring` accepts does not count).
+    None where the model cannot be captured again."""
     with self._capture_lock:
-      calls = self._accepting(args, kwargs, None)
+      calls = self._accepting(args, kwargs, ignoring)
       if calls is not None:
         return calls
       if self._capture is None or len(self._served) >= self.MAX_CAPTURES:

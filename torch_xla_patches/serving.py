@@ -213,7 +213,7 @@ def _compile_buckets(served: ServedModel,
   runs once they are done."""
   needs_capture = None
   if served.can_capture:
-    needs_capture = functools.partial(_needs_capture, served)
+    needs_capture = served.needs_capture
   example = _example(buckets)
   served.warm_up = warmup.BackgroundWarmUp(
       served.compile_only_call,
@@ -230,16 +230,6 @@ def _compile_buckets(served: ServedModel,
     raise RuntimeError(
         f'torch_xla_patches.serve: {len(failed)} of {len(buckets)} buckets '
         'did not compile: ' + '; '.join(failed))
-
-
-def _needs_capture(served: ServedModel, args: tuple, kwargs: Dict[str,
-                                                                  Any]) -> bool:
-  """Whether every capture `served` has made so far refuses the call (see
-  [Note: One capture per guard set]); the guards read the model's tensors
-  under the lock (see [Note: What reads the model's tensors] in
-  serialization.py)."""
-  with execution.execution_lock:
-    return not any(c.guard_check(*args, **kwargs) for c in served.captures())
 
 
 def _save(served: ServedModel, path: str, key: ServeKey) -> None:
@@ -260,7 +250,11 @@ def _save(served: ServedModel, path: str, key: ServeKey) -> None:
 # arguments (ServedModel._first_capture). A first request thus waits for its
 # own capture and compile alone, never for a capture of a bucket whose
 # guards may refuse it (a batch of 1 where the example has 2: dynamo
-# specializes 1); the warm-up's captures wait for that first request (see
+# specializes 1). A request's first capture takes its sizes as they are
+# (static, as torch.compile's first trace does, in about half the time of
+# a dynamic one): it serves calls of those sizes, and the warm-up's dynamic
+# captures serve the others. The warm-up's captures wait for that first
+# request (see
 # [Note: Captures after the first request] in warmup.py), the example
 # first. With no request, the warm-up starts config.serve_capture_delay
 # seconds after serve() returns, or when something waits for it
@@ -276,16 +270,33 @@ def _example(buckets: Sequence[CallSpec]) -> CallSpec:
                  (min(s.shape, default=2) for s in b.tensor_specs), default=2))
 
 
-def _capture(model: torch.nn.Module, key: ServeKey, args: tuple,
-             kwargs: Dict[str, Any]) -> Optional[Any]:
+def _capture(model: torch.nn.Module,
+             key: ServeKey,
+             args: tuple,
+             kwargs: Dict[str, Any],
+             static: bool = False) -> Optional[Any]:
   """The model captured with aot_compile on a call; None, said in the log,
   where aot_compile cannot capture it.
 
-  A size of 1 is captured symbolically (size_oblivious, see
+  With `static`, every size is captured as it is (a first request's
+  capture, see [Note: The first capture]); where that fails, as below.
+  Otherwise a size of 1 is captured symbolically (size_oblivious, see
   serialization.aot_compile) unless that capture fails: a size of 1 that
   broadcasts (the head dimension of transformers' 4-D attention mask)
   cannot be told from one that does not, and the capture then takes
   dynamo's 0/1 specialization, each size of 1 constant."""
+  if static:
+    try:
+      return serialization.aot_compile(model,
+                                       args,
+                                       kwargs,
+                                       dynamic=False,
+                                       size_oblivious=False)
+    except Exception as e:  # pylint: disable=broad-except
+      logger.info(
+          'torch_xla_patches.serve: a capture of %s with static sizes '
+          'raised %s: %s; capturing it with dynamic sizes', key.model,
+          type(e).__name__, e)
   try:
     return serialization.aot_compile(model, args, kwargs)
   except Exception as e:  # pylint: disable=broad-except
