@@ -43,6 +43,27 @@ def check(served, cpu, shape):
   torch.testing.assert_close(served(x.to(torch_xla.device())).cpu(), expected)
 
 
+def recorded_captures(monkeypatch):
+  """The (first argument's shape, static) of each capture serve() makes."""
+  capture = serving._capture
+  shapes = []
+
+  def recorded_capture(model, key, args, kwargs, static=False):
+    shapes.append((tuple(args[0].shape), static))
+    return capture(model, key, args, kwargs, static)
+
+  monkeypatch.setattr(serving, '_capture', recorded_capture)
+  return shapes
+
+
+def check_served_again(served, cpu, rounds=1):
+  """Both buckets, `rounds` times, equal to eager, none traced again."""
+  for _ in range(rounds):
+    check(served, cpu, PROMPT)
+    check(served, cpu, STEP)
+  assert counter(fast_dispatch.COUNTER_RETRACE) == 0
+
+
 def test_a_step_bucket_is_captured_once_and_served_fast(patched_bridge):
   cpu, model = models()
   served = torch_xla_patches.serve(model, BUCKETS, wait=True)
@@ -133,14 +154,7 @@ def test_a_first_request_waits_for_its_own_capture_alone(
   # first captured, not the bucket serve(wait=True) captures first (the
   # prompt, whose guards refuse a step).
   monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
-  capture = serving._capture
-  shapes = []
-
-  def recorded_capture(model, key, args, kwargs, static=False):
-    shapes.append((tuple(args[0].shape), static))
-    return capture(model, key, args, kwargs, static)
-
-  monkeypatch.setattr(serving, '_capture', recorded_capture)
+  shapes = recorded_captures(monkeypatch)
   cpu, model = models()
   served = torch_xla_patches.serve(model, BUCKETS, wait=False)
   assert shapes == []
@@ -155,10 +169,7 @@ def test_a_first_request_waits_for_its_own_capture_alone(
   assert shapes == [(STEP, True), (PROMPT, False), (STEP, False)]
   assert len(served.captures()) == 3
   assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 2
-  for _ in range(2):
-    check(served, cpu, PROMPT)
-    check(served, cpu, STEP)
-  assert counter(fast_dispatch.COUNTER_RETRACE) == 0
+  check_served_again(served, cpu, rounds=2)
 
 
 def test_a_first_capture_that_cannot_be_made_serves_with_torch_compile(
@@ -224,9 +235,7 @@ def test_a_first_request_is_answered_while_another_buckets_capture_is_held(
   assert served.wait_ready(timeout=120)
   # The request's, with static sizes, and the two the buckets need.
   assert len(served.captures()) == 3
-  check(served, cpu, STEP)
-  check(served, cpu, PROMPT)
-  assert counter(fast_dispatch.COUNTER_RETRACE) == 0
+  check_served_again(served, cpu)
 
 
 def test_with_no_request_the_warm_up_captures_after_its_delay(
@@ -247,14 +256,7 @@ def test_a_first_request_that_needs_a_capture_makes_it_once(
     patched_bridge, monkeypatch):
   monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
   cpu, model = models()
-  capture = serving._capture
-  shapes = []
-
-  def recorded_capture(model, key, args, kwargs, static=False):
-    shapes.append((tuple(args[0].shape), static))
-    return capture(model, key, args, kwargs, static)
-
-  monkeypatch.setattr(serving, '_capture', recorded_capture)
+  shapes = recorded_captures(monkeypatch)
   served = torch_xla_patches.serve(model, BUCKETS, wait=False)
   # The first request's capture (static sizes), then the step's own capture,
   # made by the second request or by the warm-up (its gate is open), once.
