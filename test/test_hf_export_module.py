@@ -132,6 +132,8 @@ def test_the_export_module_served_and_restarted(tmp_path, wait):
   first, restart = run_reports(code)
   assert (first['loaded'], restart['loaded']) == (False, True)
   assert restart['frames'] == 0
-  assert first['captures'] == restart['captures'] == 1
+  # In the background, the first request's capture (static sizes) and the
+  # bucket's (dynamic sizes, see [Note: The first capture] in serving.py).
+  assert first['captures'] == restart['captures'] == (1 if wait else 2)
   assert first['tokens'] == restart['tokens'] == expected
   assert first['fast'] == restart['fast'] == STEPS - 1
