@@ -19,6 +19,25 @@ def passes_everything_on(forward):
   return wrapper
 
 
+def hides_what_it_wraps(forward):
+  """A decorator with no functools.wraps: its signature is
+  (self, *args, **kwargs) and nothing says what it wraps."""
+
+  def wrapper(self, *args, **kwargs):
+    return forward(self, *args, **kwargs)
+
+  return wrapper
+
+
+def _decorated_forward(self, x, mask=None, *, scale: float = 1.0):
+  y = self.proj(x) * scale
+  if mask is not None:
+    y = y * mask
+  if DOUBLE:
+    y = y * 2
+  return {'y': y, 'total': y.sum(dim=-1)}
+
+
 class Decorated(torch.nn.Module):
   """A decorated forward with a keyword-only parameter and defaults."""
 
@@ -27,14 +46,13 @@ class Decorated(torch.nn.Module):
     self.proj = torch.nn.Linear(width, width)
     self.width = width
 
-  @passes_everything_on
-  def forward(self, x, mask=None, *, scale: float = 1.0):
-    y = self.proj(x) * scale
-    if mask is not None:
-      y = y * mask
-    if DOUBLE:
-      y = y * 2
-    return {'y': y, 'total': y.sum(dim=-1)}
+  forward = passes_everything_on(_decorated_forward)
+
+
+class BareDecorated(Decorated):
+  """Decorated's forward under a decorator that hides what it wraps."""
+
+  forward = hides_what_it_wraps(_decorated_forward)
 
 
 class LayeredStep(torch.nn.Module):

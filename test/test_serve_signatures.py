@@ -108,13 +108,18 @@ def test_serve_key_tells_configurations_apart():
   ]
 
 
-def _decorated_models(width=16):
-  return cpu_and_xla(lambda: served_modules.Decorated(width).eval())
+def _decorated_models(width=16, module=served_modules.Decorated):
+  return cpu_and_xla(lambda: module(width).eval())
 
 
+# Any decorator: one that says what it wraps (functools.wraps, as Hugging
+# Face's do) binds calls to the inner forward's names; one that does not is
+# served as called.
+@pytest.mark.parametrize(
+    'module', [served_modules.Decorated, served_modules.BareDecorated])
 def test_decorated_forward_served_positionally_and_with_keywords(
-    patched_bridge):
-  cpu, model = _decorated_models()
+    patched_bridge, module):
+  cpu, model = _decorated_models(module=module)
   buckets = [
       CallSpec(TensorSpec((b, 16)), mask=TensorSpec((b, 16)), scale=0.5)
       for b in (2, 4)
