@@ -314,10 +314,10 @@ compile_workers = _flag('compile_workers',
                         COUNT,
                         changes_program=False)
 
-# Whether serve() returns only once every bucket is compiled. Off (the
-# default), it returns at once (the first call captures the model) or once
-# its artifact is loaded, and the buckets compile in the background (see [Note: Ready at once] in serving.py): a
-# server answers health probes and compiled buckets at once.
+# Whether serve() returns only once every bucket is compiled. Off (the default),
+# it returns at once (the first call captures the model) or once its artifact is
+# loaded, and the buckets compile in the background (see [Note: Ready at once]
+# in serving.py): a server answers health probes and compiled buckets at once.
 serve_wait = _flag('serve_wait',
                    'XLA_PATCHES_SERVE_WAIT',
                    False,

@@ -37,7 +37,8 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # placeholders] in tracing.py and [Note: Compiles outside the lock] in
 # signature_cache.py), a graph's first signature compiles on the compile
 # pool once the graph is handed over (extracted_once), and a call's own
-# inputs are synced before the lock (sync_before_the_lock), so that calls of compiled programs go on meanwhile. What still holds it:
+# inputs are synced before the lock (sync_before_the_lock), so that calls
+# of compiled programs go on meanwhile. What still holds it:
 # a trace of the arguments themselves (views, aliases, SPMD; with its
 # restore), a graph's hand-over (its look-ahead run), a capture and a
 # guard check (see [Note: What reads the model's tensors] in

@@ -200,8 +200,9 @@ class ServedModel:
     artifact: the artifact path this process loaded or wrote, or None.
     loaded: whether the artifact was loaded and serves the buckets (no
       dynamo frame).
-    capture: captures the model on a call's (args, kwargs); returns None
-      where it cannot. None: calls no capture accepts are traced again.
+    capture: captures the model on a call's (args, kwargs), with static
+      sizes where `static=True` is passed; returns None where it cannot.
+      None: calls no capture accepts are traced again.
     fallback: with no capture, makes what serves every call where the
       first capture cannot be made (the model compiled with torch.compile).
   """
@@ -215,8 +216,7 @@ class ServedModel:
                model: torch.nn.Module,
                artifact: Optional[str],
                loaded: bool,
-               capture: Optional[Callable[[tuple, Dict[str, Any]],
-                                          Optional[Any]]] = None,
+               capture: Optional[Callable[..., Optional[Any]]] = None,
                fallback: Optional[Callable[[], Any]] = None):
     self.model = model
     self.artifact = artifact
@@ -349,27 +349,37 @@ class ServedModel:
       return self._served
     with self._capture_lock:
       if not self._served and self._fallback is not None:
-        compiled = (self._capture(args, kwargs, static=True)
-                    if static else self._capture(args, kwargs))
-        if compiled is None or not compiled.guard_check(*args, **kwargs):
-          if compiled is not None:
-            logger.warning(
-                'torch_xla_patches.serve: a capture of %s refuses the call '
-                'it was made on (%s); serving it with torch.compile',
-                type(self.model).__name__,
-                compiled.guard_failure(*args, **kwargs))
-          # `capture` said why in the log where it could not capture.
+        calls = self._new_capture(args, kwargs, static,
+                                  'serving it with torch.compile')
+        if calls is None:
           self.compiled = self._fallback()
           self._capture = None
         else:
-          self.compiled = compiled
-          calls = ServedCalls(compiled, self.model, self._refused)
+          self.compiled = calls.compiled
           if static:
             self._static = calls
           with execution.execution_lock:
             self._served = (calls,)
         self._fallback = None
     return self._served
+
+  def _new_capture(self, args: tuple, kwargs: Dict[str, Any], static: bool,
+                   if_refused: str) -> Optional['ServedCalls']:
+    """A capture made on the call (args, kwargs), if its guards accept that
+    call; None, said in the log (`if_refused`: what happens to such calls),
+    where they do not or it cannot be made. The caller holds
+    _capture_lock."""
+    compiled = self._capture(args, kwargs, static=static)
+    if compiled is None:
+      return None  # `capture` said why in the log.
+    if not compiled.guard_check(*args, **kwargs):
+      logger.warning(
+          'torch_xla_patches.serve: a capture of %s refuses the call it was '
+          'made on (%s); %s',
+          type(self.model).__name__, compiled.guard_failure(*args, **kwargs),
+          if_refused)
+      return None
+    return ServedCalls(compiled, self.model, self._refused)
 
   def compile_only_call(self, *args, **kwargs):
     """A warm-up's call (see [Note: Compile-only calls] in execution.py):
@@ -430,16 +440,10 @@ class ServedModel:
         return calls
       if self._capture is None or len(self._served) >= self.MAX_CAPTURES:
         return None
-      compiled = self._capture(args, kwargs)
-      if compiled is None:
-        return None  # `capture` said why in the log.
-      if not compiled.guard_check(*args, **kwargs):
-        logger.warning(
-            'torch_xla_patches.serve: a capture of %s refuses the call it '
-            'was made on (%s); such calls are traced again',
-            type(self.model).__name__, compiled.guard_failure(*args, **kwargs))
+      calls = self._new_capture(args, kwargs, False,
+                                'such calls are traced again')
+      if calls is None:
         return None
-      calls = ServedCalls(compiled, self.model, self._refused)
       _increment_counter(COUNTER_CAPTURED_AGAIN, 1)
       with execution.execution_lock:
         self._served = self._served + (calls,)

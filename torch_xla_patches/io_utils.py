@@ -71,8 +71,9 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
 # tracing, graph hashes and XLA compiles (`_xla_warm_up_cache`) read only the
 # shape of such data; but a compile of a graph with a placeholder among its
 # inputs holds torch_xla's device lock throughout (see [Note: Threads] in
-# execution.py), and runs of other threads wait for it. Running a program that reads it crashes the process
-# (torch_xla does not check), so whatever holds a placeholder's IR must
+# execution.py), and runs of other threads wait for it. Running a program
+# that reads it crashes the process (torch_xla does not check), so whatever
+# holds a placeholder's IR must
 # never be run: the trace's restore gives a placeholder a fresh one instead
 # of syncing it (ArgumentsRestore in tracing.py), and every trace on
 # placeholders is in flight in the one registry (placeholder_traces) until

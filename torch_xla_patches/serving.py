@@ -42,18 +42,18 @@ captures keep being made (ServedModel.MAX_CAPTURES), calls no capture
 accepts are traced again with torch.compile (COUNTER_RETRACE).
 
 [Note: Ready at once]
-serve() returns at once, or once its artifact is loaded (see [Note: The
-first capture]): the buckets compile on a daemon thread (warmup.BackgroundWarmUp), each traced
-there without running (see [Note: Compile-only calls] in execution.py) and
-compiled on the compile pool, in the order given, and the artifact is
-written when they are done. Meanwhile a call of a compiled bucket runs at
-once; a call of a bucket still queued moves its compile to the front of the
-pool and waits for that one compile, and a call of one compiling waits for
-it (never a second compile, see [Note: Compiles outside the lock] in
-signature_cache.py); other shapes compile on the calling thread, without
-the lock. ServedModel.readiness() and wait_ready() tell a health probe how
-far it is. With wait=True (or XLA_PATCHES_SERVE_WAIT=1) serve() returns
-when every bucket is compiled, as a batch job would want.
+serve() returns at once, or once its artifact is loaded (see [Note: The first
+capture]): the buckets compile on a daemon thread (warmup.BackgroundWarmUp),
+each traced there without running (see [Note: Compile-only calls] in
+execution.py) and compiled on the compile pool, in the order given, and the
+artifact is written when they are done. Meanwhile a call of a compiled bucket
+runs at once; a call of a bucket still queued moves its compile to the front
+of the pool and waits for that one compile, and a call of one compiling waits
+for it (never a second compile, see [Note: Compiles outside the lock] in
+signature_cache.py); other shapes compile on the calling thread, without the
+lock. ServedModel.readiness() and wait_ready() tell a health probe how far it
+is. With wait=True (or XLA_PATCHES_SERVE_WAIT=1) serve() returns when every
+bucket is compiled, as a batch job would want.
 
 Where aot_compile cannot capture the model at all, serve() serves it through
 torch.compile instead, saying why in one log line, as on torch 2.8, which has
