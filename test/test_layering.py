@@ -48,7 +48,7 @@ LAYERS = (
         'serialization'
     }),
     # A served call, from its key to its result.
-    ('served calls', {'call_plan', 'fast_dispatch'}),
+    ('served calls', {'call_plan', 'fast_dispatch', 'served_model'}),
     # Warm-up calls what it is handed: a served model, or any compiled
     # callable.
     ('warm-up', {'warmup'}),

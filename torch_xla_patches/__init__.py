@@ -232,7 +232,7 @@ def serve(model,
       serving.py; served.readiness(), served.wait_ready()); True: return
       once every bucket is compiled. Default XLA_PATCHES_SERVE_WAIT (off).
   Returns:
-    A fast_dispatch.ServedModel: served(*args, **kwargs) returns what
+    A served_model.ServedModel: served(*args, **kwargs) returns what
     model(*args, **kwargs) returns.
   """
   apply()

@@ -78,7 +78,7 @@ from torch_xla_patches import serializable_backend
 from torch_xla_patches import versions
 from torch_xla_patches import warmup
 from torch_xla_patches.call_spec import CallSpec
-from torch_xla_patches.fast_dispatch import ServedModel
+from torch_xla_patches.served_model import ServedModel
 from torch_xla_patches.serve_key import ServeKey
 
 logger = logging.getLogger('torch_xla_patches.serving')
