@@ -1,7 +1,7 @@
 """What makes a program runs off the request path: while one thread's new
 shape compiles (a donating program among them) or is captured, another
 thread's calls of compiled programs complete (see [Note: Traces on
-placeholders] in tracing.py and [Note: Compiles outside the lock] in
+placeholders] in placeholder_trace.py and [Note: Compiles outside the lock] in
 signature_cache.py)."""
 import threading
 import time
@@ -200,7 +200,7 @@ def test_a_sync_of_every_tensor_waits_for_traces_on_placeholders(
   # which runs every live tensor's IR, would run it (the process dies:
   # measured with torch_xla's own sync). Made while the compile of a trace
   # on placeholders is held, it waits for that compile, then syncs (see [Note:
-  # Traces on placeholders] in tracing.py).
+  # Traces on placeholders] in placeholder_trace.py).
   cpu, step = compiled_writer('serve')
   decode_steps(cpu, step, 16, 1, seed=0)
   hold = held_on_new_shape(monkeypatch, 'compile')

@@ -248,7 +248,7 @@ def test_a_failing_compile_is_raised_or_skipped_as_serially(
     del compiled
   # 2 workers compiled on the pool: not the serial path twice. The graph's
   # first signature compiles on the pool either way (see [Note: Traces on
-  # placeholders] in tracing.py).
+  # placeholders] in placeholder_trace.py).
   assert on_workers[1] == 1 and on_workers[2] > 1, on_workers
   assert seen[2] == seen[1]
   skipped = seen[1][0][backlog.COUNTER_PRECOMPILE_SKIPPED]
@@ -317,7 +317,7 @@ def test_traces_with_random_ops_give_the_serial_programs(indexed, monkeypatch):
     del compiled
   # 2 workers compiled on the pool: not the serial path twice. The graph's
   # first signature compiles on the pool either way (see [Note: Traces on
-  # placeholders] in tracing.py).
+  # placeholders] in placeholder_trace.py).
   assert on_workers[1] == 1 and on_workers[2] > 1, on_workers
   assert len(seen[1][1]) == len(SMALL_SIZES)
   assert seen[2] == seen[1]
@@ -380,7 +380,7 @@ def test_an_inplace_update_of_an_input_gives_eager_results(
   # compiles a trace that updates an input on the calling thread, after
   # the compiles in flight (see [Note: Parallel compiles]): none on the
   # pool but the graph's first signature, the call's own (see [Note: Traces
-  # on placeholders] in tracing.py).
+  # on placeholders] in placeholder_trace.py).
   assert on_workers == {1: (0, 1), 2: (len(SMALL_SIZES) - 1, 1)}
   assert seen[1][0][backlog.COUNTER_PRECOMPILED] == len(SMALL_SIZES) - 1
   assert seen[2] == seen[1]

@@ -30,7 +30,8 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
                                              get_fallback_ops)
 
 from torch_xla._dynamo import config as upstream_config
-from torch_xla_patches import compile_window, io_utils, tracing
+from torch_xla_patches import (compile_window, io_utils, placeholder_trace,
+                               tracing)
 from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         COUNTER_CPU_FALLBACK_EAGER,
                                         COUNTER_CPU_FALLBACK_PARTITION,
@@ -99,13 +100,14 @@ def _thread_state_not_shared() -> bool:
       for device_type in ('cpu', 'cuda', 'xla')))
 
 
-def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                   layout: ArgLayout) -> Optional[tracing.DetachedTrace]:
+def detached_trace(
+    xla_model: torch.fx.GraphModule, args: Sequence[Any],
+    layout: ArgLayout) -> Optional[placeholder_trace.DetachedTrace]:
   """A trace and compile of the signature of `args` on placeholders for
   them, which it neither reads nor writes, to run later with no lock (see
-  [Note: Traces on placeholders] in tracing.py); None where the arguments
+  [Note: Traces on placeholders] in placeholder_trace.py); None where the arguments
   must be traced themselves."""
-  if not tracing.can_trace_on_placeholders(xla_model, args, layout):
+  if not placeholder_trace.can_trace_on_placeholders(xla_model, args, layout):
     return None
   if _thread_state_not_shared():
     # The trace may run on the compile pool, whose thread has none of this
@@ -123,11 +125,12 @@ def detached_trace(xla_model: torch.fx.GraphModule, args: Sequence[Any],
       return None
     # In flight until every placeholder of the trace is gone: the end of
     # this block, a failed trace's included (see [Note: Traces on
-    # placeholders] in tracing.py).
+    # placeholders] in placeholder_trace.py).
     try:
       try:
         count_epilogue_updates(xla_model)
-        traced = tracing.trace_on_placeholders(xla_model, args, layout)
+        traced = placeholder_trace.trace_on_placeholders(
+            xla_model, args, layout)
       except Exception as error:  # pylint: disable=broad-except
         # Leaving this block drops the error, whose traceback holds the
         # trace's frames and so its placeholders.
@@ -325,7 +328,7 @@ def _is_mask(value: Any) -> bool:
 def _op_reads_values(name: str, overload_name: str) -> Optional[bool]:
   """What the aten op's name alone tells of _reads_values: True or False,
   or None when it depends on the arguments."""
-  if name.split('::')[-1] in tracing.VALUE_READING_OPS:
+  if name.split('::')[-1] in placeholder_trace.VALUE_READING_OPS:
     return True
   if name in _MASK_INDEXING_OPS or name in ('aten::_to_copy', 'aten::to',
                                             'aten::copy_'):
@@ -376,10 +379,10 @@ def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
 def _graph_reads_values(graph: torch.fx.Graph) -> bool:
   """Whether a node of `graph` is known from its target alone to read
   values (see [Note: Look-ahead on placeholders]): one named in
-  tracing.VALUE_READING_OPS (`torch.nonzero`, `.item()`), a copy to the
+  placeholder_trace.VALUE_READING_OPS (`torch.nonzero`, `.item()`), a copy to the
   CPU, or an aten op _reads_values says so for any arguments. Ops it cannot
   tell are left to the look-ahead's dispatch-time check."""
-  if tracing.graph_reads_values(graph):
+  if placeholder_trace.graph_reads_values(graph):
     return True
   for node in graph.nodes:
     if node.op != 'call_function':
@@ -724,7 +727,7 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   #     XLA kernel, unless it takes no tensor, is a view, or its
   #     backend-free kernel reached no fallback in a probe on size-1 zeros;
   #     a kernel of torch_xla that reads values or falls back for some
-  #     arguments: tracing.VALUE_READING_OPS, indexing with a mask), and it starts
+  #     arguments: placeholder_trace.VALUE_READING_OPS, indexing with a mask), and it starts
   #     again on zeros.
   # The zeros have the placeholders' sizes and are made for the look-ahead
   # alone; the partition around such ops then runs on them too (the parts'
@@ -733,7 +736,7 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   # their programs run as ever (a device sync waits for the placeholder
   # call: [Note: Syncs wait for placeholder graphs] in io_utils.py). What
   # this rests on: every torch_xla kernel that runs a program or reads a
-  # buffer for some arguments is in tracing.VALUE_READING_OPS or
+  # buffer for some arguments is in placeholder_trace.VALUE_READING_OPS or
   # _MASK_INDEXING_OPS.
   if placeholders and _graph_reads_values(xla_model.graph):
     return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))

@@ -34,7 +34,7 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # lock is that of a single-threaded call. What makes a program does not hold
 # it where it can help: a new signature is traced on placeholders for its
 # arguments and compiled with the lock let go (see [Note: Traces on
-# placeholders] in tracing.py and [Note: Compiles outside the lock] in
+# placeholders] in placeholder_trace.py and [Note: Compiles outside the lock] in
 # signature_cache.py), a graph's first signature compiles on the compile
 # pool once the graph is handed over (extracted_once), and a call's own
 # inputs are synced before the lock (sync_before_the_lock), so that calls

@@ -64,7 +64,7 @@ def zeros_on_device(shape: Sequence[int], dtype: torch.dtype,
 # [Note: Placeholder tensors]
 # A trace needs its arguments' sizes, dtypes and shardings, never their
 # values: what a warm-up traces with, and what a new signature is traced on
-# (see [Note: Traces on placeholders] in tracing.py), is made by
+# (see [Note: Traces on placeholders] in placeholder_trace.py), is made by
 # `placeholder()`, the one maker of them: device data with a shape and no
 # buffer (torch_xla's placeholder tensor), so a bucket's KV cache costs no
 # device memory and a trace touches no tensor another thread runs. Lazy
@@ -175,7 +175,7 @@ class PlaceholderWaitTimeout(RuntimeError):
 class PlaceholderTraces:
   """The one registry of traces on placeholders in flight (a warm-up's
   compile-only calls, a new signature's trace and compile, see [Note:
-  Traces on placeholders] in tracing.py), and the guard of torch_xla's step
+  Traces on placeholders] in placeholder_trace.py), and the guard of torch_xla's step
   marker that makes a sync of the device wait for them.
 
   [Note: Syncs wait for placeholder graphs]

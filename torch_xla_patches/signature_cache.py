@@ -23,8 +23,8 @@ from torch_xla_patches.counters import (COUNTER_DROPPED, COUNTER_HIT,
                                         COUNTER_MISS, increment_counter)
 from torch_xla_patches import execution
 from torch_xla_patches.signature import ArgLayout, ShapeSignature
-from torch_xla_patches.tracing import (CompiledGraphEntry, DetachedTrace,
-                                       TracedGraph)
+from torch_xla_patches.placeholder_trace import DetachedTrace
+from torch_xla_patches.tracing import CompiledGraphEntry, TracedGraph
 
 logger = logging.getLogger('torch_xla_patches.bridge')
 
@@ -98,7 +98,7 @@ class SignatureCache:
   [Note: Compiles outside the lock]
   A new signature of a call that needs it (on_miss) is traced on placeholders
   for its arguments where placeholders can describe them (see [Note: Traces on
-  placeholders] in tracing.py), and then compiled, both with execution_lock
+  placeholders] in placeholder_trace.py), and then compiled, both with execution_lock
   let go: the trace reads and writes no tensor anyone else holds, and its
   graph is no one else's. Elsewhere it is traced under the lock, and the trace
   leaves the arguments as they were; where every tensor of the program's graph
@@ -133,7 +133,7 @@ class SignatureCache:
     self.graph_id = next(_graph_ids)
     self._trace = trace
     # Makes a trace on placeholders ready, or says None (see [Note: Traces on
-    # placeholders] in tracing.py).
+    # placeholders] in placeholder_trace.py).
     self._detach = detach
     self.xla_model = xla_model
     self.layout = layout
@@ -299,7 +299,7 @@ class SignatureCache:
     """Traces the signature of `args` and compiles it on the compile pool;
     the future of its compile is noted (execution.note_compile). Traced on
     placeholders there, with no lock, where it can be (see [Note: Traces on
-    placeholders] in tracing.py), else now. The caller holds execution_lock."""
+    placeholders] in placeholder_trace.py), else now. The caller holds execution_lock."""
     detached = (self._detach(self.xla_model, args, self.layout)
                 if self._detach is not None else None)
     if detached is not None:
