@@ -4,7 +4,7 @@ with no lock held (see [Note: Traces on placeholders]); which graphs can be,
 and the ops that read values while traced.
 """
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch_xla
