@@ -391,9 +391,9 @@ cpp_symbolic_shape_guards = _flag('cpp_symbolic_shape_guards',
 # bucket tensors, which then cost no device memory, and a new signature's
 # arguments, so that it is traced and compiled without execution_lock while
 # other calls run, a decode step that donates its cache included (see [Note:
-# Traces on placeholders] in placeholder_trace.py). Off: warm-ups trace on zeros and a
-# new signature on its arguments, under the lock. The programs are the same
-# either way.
+# Traces on placeholders] in placeholder_trace.py). Off: warm-ups trace on zeros
+# and a new signature on its arguments, under the lock. The programs are the
+# same either way.
 trace_on_placeholders = _flag('trace_on_placeholders',
                               'XLA_PATCHES_TRACE_ON_PLACEHOLDERS',
                               True,

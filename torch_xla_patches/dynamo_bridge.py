@@ -105,8 +105,8 @@ def detached_trace(
     layout: ArgLayout) -> Optional[placeholder_trace.DetachedTrace]:
   """A trace and compile of the signature of `args` on placeholders for
   them, which it neither reads nor writes, to run later with no lock (see
-  [Note: Traces on placeholders] in placeholder_trace.py); None where the arguments
-  must be traced themselves."""
+  [Note: Traces on placeholders] in placeholder_trace.py); None where the
+  arguments must be traced themselves."""
   if not placeholder_trace.can_trace_on_placeholders(xla_model, args, layout):
     return None
   if _thread_state_not_shared():
@@ -379,8 +379,8 @@ def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
 def _graph_reads_values(graph: torch.fx.Graph) -> bool:
   """Whether a node of `graph` is known from its target alone to read
   values (see [Note: Look-ahead on placeholders]): one named in
-  placeholder_trace.VALUE_READING_OPS (`torch.nonzero`, `.item()`), a copy to the
-  CPU, or an aten op _reads_values says so for any arguments. Ops it cannot
+  placeholder_trace.VALUE_READING_OPS (`torch.nonzero`, `.item()`), a copy to
+  the CPU, or an aten op _reads_values says so for any arguments. Ops it cannot
   tell are left to the look-ahead's dispatch-time check."""
   if placeholder_trace.graph_reads_values(graph):
     return True
@@ -727,8 +727,8 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   #     XLA kernel, unless it takes no tensor, is a view, or its
   #     backend-free kernel reached no fallback in a probe on size-1 zeros;
   #     a kernel of torch_xla that reads values or falls back for some
-  #     arguments: placeholder_trace.VALUE_READING_OPS, indexing with a mask), and it starts
-  #     again on zeros.
+  #     arguments: placeholder_trace.VALUE_READING_OPS, indexing with a mask),
+  #     and it starts again on zeros.
   # The zeros have the placeholders' sizes and are made for the look-ahead
   # alone; the partition around such ops then runs on them too (the parts'
   # example inputs): only a graph that has such an op pays that memory.

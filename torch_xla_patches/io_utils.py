@@ -175,8 +175,8 @@ class PlaceholderWaitTimeout(RuntimeError):
 class PlaceholderTraces:
   """The one registry of traces on placeholders in flight (a warm-up's
   compile-only calls, a new signature's trace and compile, see [Note:
-  Traces on placeholders] in placeholder_trace.py), and the guard of torch_xla's step
-  marker that makes a sync of the device wait for them.
+  Traces on placeholders] in placeholder_trace.py), and the guard of torch_xla's
+  step marker that makes a sync of the device wait for them.
 
   [Note: Syncs wait for placeholder graphs]
   A trace on placeholders (see [Note: Placeholder tensors]) leaves the graph

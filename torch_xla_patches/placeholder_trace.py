@@ -39,10 +39,10 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
 #   * a placeholder never leaves its trace and compile (trace_and_compile in
 #     dynamo_bridge.py: both in flight in io_utils.placeholder_traces,
 #     begin() to end(), and every placeholder is dropped before the end, a
-#     failed trace's included): its IR reads a buffer that does not exist, so nothing may
-#     run it. The bridge never syncs it, and a sync of every live tensor
-#     waits until no placeholder trace is in flight (see [Note: Syncs wait
-#     for placeholder graphs] in io_utils.py);
+#     failed trace's included): its IR reads a buffer that does not exist, so
+#     nothing may run it. The bridge never syncs it, and a sync of every live
+#     tensor waits until no placeholder trace is in flight (see [Note: Syncs
+#     wait for placeholder graphs] in io_utils.py);
 #   * a trace that fails on placeholders, or cannot start (a sync held it
 #     off too long), is made again on the arguments, which raises the
 #     trace's own error where it has one.

@@ -98,12 +98,12 @@ class SignatureCache:
   [Note: Compiles outside the lock]
   A new signature of a call that needs it (on_miss) is traced on placeholders
   for its arguments where placeholders can describe them (see [Note: Traces on
-  placeholders] in placeholder_trace.py), and then compiled, both with execution_lock
-  let go: the trace reads and writes no tensor anyone else holds, and its
-  graph is no one else's. Elsewhere it is traced under the lock, and the trace
-  leaves the arguments as they were; where every tensor of the program's graph
-  is an output the trace computed (it updates no argument in place and returns
-  none), they hold no IR of a tensor anyone else can reach, and the XLA
+  placeholders] in placeholder_trace.py), and then compiled, both with
+  execution_lock let go: the trace reads and writes no tensor anyone else holds,
+  and its graph is no one else's. Elsewhere it is traced under the lock, and the
+  trace leaves the arguments as they were; where every tensor of the program's
+  graph is an output the trace computed (it updates no argument in place and
+  returns none), they hold no IR of a tensor anyone else can reach, and the XLA
   compile of them (the long part) runs without the lock too. A compile-only
   call (see [Note: Compile-only calls] in execution.py) and a graph's first
   signature (see execution.extracted_once) trace and compile on the compile
@@ -299,7 +299,8 @@ class SignatureCache:
     """Traces the signature of `args` and compiles it on the compile pool;
     the future of its compile is noted (execution.note_compile). Traced on
     placeholders there, with no lock, where it can be (see [Note: Traces on
-    placeholders] in placeholder_trace.py), else now. The caller holds execution_lock."""
+    placeholders] in placeholder_trace.py), else now. The caller holds
+    execution_lock."""
     detached = (self._detach(self.xla_model, args, self.layout)
                 if self._detach is not None else None)
     if detached is not None:
