@@ -194,6 +194,71 @@ def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
   steps_complete_while_held(cpu, step, hold, other_batch)
 
 
+def view_steps(cpu, step, rows, count, seed):
+  """decode_steps whose step input is a view of a larger tensor (as
+  generate() passes `input_ids[:, -1:]`)."""
+  generator = torch.Generator().manual_seed(seed)
+  cache_cpu = torch.zeros(rows, WIDTH)
+  cache = torch.zeros(rows, WIDTH, device=torch_xla.device())
+  got, want = [], []
+  for _ in range(count):
+    x = torch.randn(SLOTS, WIDTH, generator=generator)
+    slots = torch.randperm(rows, generator=generator)[:SLOTS]
+    wider = xla(torch.cat([torch.zeros(SLOTS, WIDTH), x]))
+    with torch.no_grad():
+      got.append(step(wider[SLOTS:], xla(slots), cache).cpu())
+    want.append(eager_step(cpu, x, slots, cache_cpu))
+  return got, want, cache.cpu(), cache_cpu
+
+
+@pytest.mark.parametrize('held', ['trace', 'compile'])
+@pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
+def test_calls_complete_while_a_signature_with_a_view_argument_is_made(
+    patched_bridge, monkeypatch, mode, held):
+  # The new shape's step input is a view whose base is no other argument:
+  # its trace stands for it with a copy of its values, off the lock (see
+  # [Note: Stand-ins that hold buffers] in placeholder_trace.py); it was
+  # traced on the arguments under the lock, and this thread's steps waited.
+  cpu, step = compiled_writer(mode)
+  decode_steps(cpu, step, 16, 2, seed=0)
+  hold = held_on_new_shape(monkeypatch, held)
+  steps_complete_while_held(cpu, step, hold,
+                            lambda: view_steps(cpu, step, 32, 3, 1))
+
+
+@pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
+def test_a_new_signature_compiles_on_its_arguments_buffers(
+    patched_bridge, monkeypatch, mode):
+  # torch_xla compiles a graph with an input that holds no buffer (a
+  # placeholder) under its device lock, which every run of another thread
+  # then waits for holding the GIL. A call's new signature is traced on
+  # aliases of its arguments' buffers: every input of its compile holds
+  # one. The cache it donates is donated again at its next step, not
+  # copied: the aliases left it as given (see [Note: Stand-ins that hold
+  # buffers] in placeholder_trace.py).
+  import torch_xla.debug.metrics as met
+  from torch_xla_patches.counters import COUNTER_DONATION_COPIED_READ
+  cpu, step = compiled_writer(mode)
+  decode_steps(cpu, step, 16, 2, seed=0)
+  compile_graph = compile_window.compile_graph
+  inputs_without_buffer = []
+
+  def compile_and_look(graph_tensors):
+    _, values = torch_xla._XLAC._get_tensors_xla_device_data_node(
+        list(graph_tensors))
+    inputs_without_buffer.append(
+        sum('Data Handle: None' in torch_xla._XLAC._get_xla_tensor_debug_info(
+            value) for value in values))
+    return compile_graph(graph_tensors)
+
+  monkeypatch.setattr(compile_window, 'compile_graph', compile_and_look)
+  copied = met.counter_value(COUNTER_DONATION_COPIED_READ) or 0
+  check_steps(decode_steps(cpu, step, 32, 3, 1))
+  assert inputs_without_buffer and set(inputs_without_buffer) == {0}, (
+      inputs_without_buffer)
+  assert (met.counter_value(COUNTER_DONATION_COPIED_READ) or 0) == copied
+
+
 def test_a_sync_of_every_tensor_waits_for_traces_on_placeholders(
     patched_bridge, monkeypatch):
   # A placeholder's IR reads a buffer that does not exist: torch_xla.sync(),

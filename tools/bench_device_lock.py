@@ -1,16 +1,22 @@
 """What another thread's XLA compile costs a thread running compiled programs,
 by what the compiled graph's inputs are: placeholders (device data with a
 shape and no buffer, `_xla_create_placeholder_tensor`, what a warm-up traces
-on) or tensors that hold buffers.
+on), tensors that hold buffers, or aliases of a tensor's buffer (what a
+call's new signature is traced on, see [Note: Stand-ins that hold buffers]
+in placeholder_trace.py).
 
   python tools/bench_device_lock.py [--layers 600] [--rounds 3]
 
 Thread B lazily traces a chain of `layers` matmuls on one input and compiles
 it with `_xla_warm_up_cache` (what the bridge's compiles call), running
-nothing. Meanwhile thread A runs a program compiled ahead (`x + 1`, synced
-alone) back to back. Rows: B's input a placeholder, or a tensor with a
-buffer. Columns: B's compile in seconds, A's steps while it ran, A's p50 and
-worst step in ms. Each mode runs in a process of its own, interleaved.
+nothing. Meanwhile thread A runs a program compiled ahead (`x + 1`, with
+`_run_cached_graph`, as the bridge does) back to back, and thread C, pure
+Python, wakes every millisecond. Rows: B's input a placeholder, a tensor
+with a buffer, or an alias of one (updated in place by the graph). Columns:
+B's compile in seconds, A's steps while it ran, A's p50 and worst step in
+ms, and C's longest wait in ms (the GIL: `_run_cached_graph` waits for the
+device lock holding it). Each mode runs in a process of its own,
+interleaved.
 
 The machine may be shared: compare rows of one run.
 """
@@ -23,7 +29,7 @@ import sys
 import threading
 import time
 
-MODES = ('placeholder', 'buffer')
+MODES = ('placeholder', 'buffer', 'alias')
 
 
 def one(mode: str, layers: int) -> dict:
@@ -34,40 +40,63 @@ def one(mode: str, layers: int) -> dict:
   device = torch_xla.device()
   x = torch.ones(4, device=device)
   torch_xla._XLAC._xla_sync_multi([x], [], True, True)
-  for _ in range(3):  # compiled ahead: A's steps only run it
-    y = x + 1
-    torch_xla._XLAC._xla_sync_multi([y], [], True, True)
+  y = x + 1  # compiled ahead: A's steps only run it
+  graph_hash = torch_xla._XLAC._get_graph_hash([y])
+  torch_xla._XLAC._xla_warm_up_cache([y], [])
+  del y
+  held = torch.randn(64, 64, device=device)
+  torch_xla._XLAC._xla_sync_multi([held], [], True, True)
   traced = threading.Event()
   compile_s = []
 
   def thread_b():
     if mode == 'placeholder':
       a = xb.create_placeholder_tensor((64, 64), torch.float32)
+    elif mode == 'buffer':
+      a = held
     else:
-      a = torch.randn(64, 64, device=device)
-      torch_xla._XLAC._xla_sync_multi([a], [], True, True)
+      _, (a,) = torch_xla._XLAC._get_tensors_xla_device_data_node([held], [])
+    out = a
     for i in range(layers):
-      a = torch.tanh(a @ a + i)
+      out = torch.tanh(out @ out + i)
+    if mode == 'alias':
+      a.add_(out)  # the alias is written; `held` is not
+      out = a
     traced.set()
     start = time.perf_counter()
-    torch_xla._XLAC._xla_warm_up_cache([a], [])
+    torch_xla._XLAC._xla_warm_up_cache([out], [])
     compile_s.append(time.perf_counter() - start)
+
+  gaps = []
+  done = threading.Event()
+
+  def thread_c():
+    last = time.perf_counter()
+    while not done.is_set():
+      time.sleep(0.001)
+      now = time.perf_counter()
+      gaps.append(now - last)
+      last = now
 
   b = threading.Thread(target=thread_b)
   b.start()
   traced.wait()
+  c = threading.Thread(target=thread_c)
+  c.start()
   steps = []
   while b.is_alive():
     start = time.perf_counter()
-    y = x + 1
-    torch_xla._XLAC._xla_sync_multi([y], [], True, True)
+    torch_xla._XLAC._run_cached_graph(graph_hash, [x])
     steps.append(time.perf_counter() - start)
   b.join()
+  done.set()
+  c.join()
   return {
       'compile_s': compile_s[0],
       'steps': len(steps),
       'p50_ms': statistics.median(steps) * 1e3 if steps else None,
       'worst_ms': max(steps) * 1e3 if steps else None,
+      'gil_wait_ms': max(gaps) * 1e3 if gaps else None,
   }
 
 
@@ -100,15 +129,16 @@ def main() -> int:
   print(f'Thread A runs a compiled program while thread B compiles a chain of '
         f'{args.layers} matmuls ({args.rounds} rounds, medians).')
   print('| B\'s input | B\'s compile s | A\'s steps meanwhile | A p50 ms '
-        '| A worst ms |')
-  print('|---|---:|---:|---:|---:|')
+        '| A worst ms | C\'s longest wait ms |')
+  print('|---|---:|---:|---:|---:|---:|')
   for mode, runs in results.items():
 
     def median(name):
       return statistics.median(r[name] for r in runs)
 
     print(f'| {mode} | {median("compile_s"):.2f} | {median("steps"):.0f} | '
-          f'{median("p50_ms"):.2f} | {median("worst_ms"):.1f} |')
+          f'{median("p50_ms"):.2f} | {median("worst_ms"):.1f} | '
+          f'{median("gil_wait_ms"):.1f} |')
   return 0
 
 

@@ -8,6 +8,7 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
+from torch_xla._dynamo import config as upstream_config
 from torch_xla_patches.counters import (COUNTER_DONATION_COPIED_READ,
                                         increment_counter)
 from torch_xla_patches.donation import private_copy, read_donations
@@ -93,14 +94,21 @@ class BoundProgram:
   def __call__(self, free_args: Sequence[torch.Tensor]) -> List[Any]:
     """Runs the program; returns every graph output, in order. Raises
     RefusedBeforeRun if it cannot start."""
+    # The call's own inputs, synced before the lock (see [Note: Threads] in
+    # execution.py): a new shape's sync compiles.
+    synced = (execution.sync_before_the_lock([
+        free_args[index] for _, index in self._free_slots
+    ]) if self._free_slots and not upstream_config.skip_input_data_check else
+              [])
     with execution.execution_lock:
+      execution.note_synced_inputs(synced)
       cache = self._cache
       if cache.look_up(self.key) is not self._entry:
         raise RefusedBeforeRun('the signature\'s entry was dropped from the '
                                'cache or traced again')
       results = run_entry(
           self._entry,
-          pending=[free_args[index] for _, index in self._free_slots],
+          pending=(),
           inputs=functools.partial(self._inputs_of, free_args),
           argument=lambda position: self._updated[position].of(free_args),
           drop_update_log=(self._runs + 1) % UPDATE_LOG_RUNS == 0)

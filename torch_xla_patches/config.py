@@ -400,6 +400,18 @@ trace_on_placeholders = _flag('trace_on_placeholders',
                               BOOL,
                               changes_program=False)
 
+# A trace on placeholders stands for an argument that holds a buffer of its
+# own with an alias of that buffer (another tensor on the same device data)
+# instead of a placeholder, so that its compile takes no device lock and
+# calls of other threads run meanwhile (see [Note: Stand-ins that hold
+# buffers] in placeholder_trace.py). Off: placeholders for every argument.
+# The programs are the same either way.
+trace_on_buffer_aliases = _flag('trace_on_buffer_aliases',
+                                'XLA_PATCHES_TRACE_ON_BUFFER_ALIASES',
+                                True,
+                                BOOL,
+                                changes_program=False)
+
 # How long a sync of the device waits for traces on placeholders in flight,
 # and a trace for a sync, before it raises PlaceholderWaitTimeout instead
 # (see [Note: Syncs wait for placeholder graphs] in io_utils.py); 0: a sync

@@ -114,43 +114,64 @@ def detached_trace(
     # thread's autocast or inference mode; grad mode alone is carried over.
     return None
 
+  # Made now, under execution_lock, as a trace of the arguments would read
+  # them (see [Note: Stand-ins that hold buffers] in placeholder_trace.py).
+  aliases = placeholder_trace.BufferAliases.of(args, layout.tensor_positions)
+
   def trace_and_compile(on_pool: bool) -> Optional[CompiledGraphEntry]:
     """The compiled entry; None if the trace on placeholders raised or could
     not begin: the caller traces the arguments themselves. A compile's error
     is raised."""
-    placeholders = io_utils.placeholder_traces
     try:
-      placeholders.begin(on_pool)
-    except io_utils.PlaceholderWaitTimeout:
+      return _trace_and_compile_on_stand_ins(xla_model, args, layout, aliases,
+                                             on_pool)
+    finally:
+      with execution.execution_lock:
+        aliases.release(args)
+
+  return trace_and_compile
+
+
+def _trace_and_compile_on_stand_ins(
+    xla_model: torch.fx.GraphModule, args: Sequence[Any], layout: ArgLayout,
+    aliases: placeholder_trace.BufferAliases,
+    on_pool: bool) -> Optional[CompiledGraphEntry]:
+  """detached_trace's trace and compile, in flight (see [Note: Traces on
+  placeholders] in placeholder_trace.py)."""
+  placeholders = io_utils.placeholder_traces
+  try:
+    placeholders.begin(on_pool)
+  except io_utils.PlaceholderWaitTimeout:
+    return None
+  # In flight until every placeholder of the trace is gone and every donor
+  # mark it left is cleared: the end of this block, a failed trace's
+  # included.
+  try:
+    try:
+      count_epilogue_updates(xla_model)
+      traced = placeholder_trace.trace_on_placeholders(xla_model, args, layout,
+                                                       aliases)
+    except Exception as error:  # pylint: disable=broad-except
+      # Leaving this block drops the error, whose traceback holds the
+      # trace's frames and so its placeholders.
+      logger.debug(
+          'a trace on placeholders raised %s: %s; tracing the '
+          'arguments',
+          type(error).__name__, error)
       return None
-    # In flight until every placeholder of the trace is gone: the end of
-    # this block, a failed trace's included (see [Note: Traces on
-    # placeholders] in placeholder_trace.py).
+    entry = traced.entry
+    graph_tensors = traced.graph_tensors
+    del traced
     try:
-      try:
-        count_epilogue_updates(xla_model)
-        traced = placeholder_trace.trace_on_placeholders(
-            xla_model, args, layout)
-      except Exception as error:  # pylint: disable=broad-except
-        # Leaving this block drops the error, whose traceback holds the
-        # trace's frames and so its placeholders.
-        logger.debug(
-            'a trace on placeholders raised %s: %s; tracing the '
-            'arguments',
-            type(error).__name__, error)
-        return None
-      entry = traced.entry
-      graph_tensors = traced.graph_tensors
-      del traced
       if graph_tensors:
         # Emptied, whether or not the compile raises.
         compile_window.compile_traced(graph_tensors)
     finally:
-      placeholders.traced()
-      placeholders.end()
-    return entry
-
-  return trace_and_compile
+      placeholder_trace.clear_donor_marks(args, entry.donated_positions)
+  finally:
+    placeholders.traced()
+    placeholders.end()
+  return entry
 
 
 def extract_internal(xla_model: torch.fx.GraphModule):

@@ -33,16 +33,17 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # device runs one program at a time anyway, and the host work under the
 # lock is that of a single-threaded call. What makes a program does not hold
 # it where it can help: a new signature is traced on placeholders for its
-# arguments and compiled with the lock let go (see [Note: Traces on
+# arguments (aliases of their buffers, see [Note: Stand-ins that hold
+# buffers]) and compiled with the lock let go (see [Note: Traces on
 # placeholders] in placeholder_trace.py and [Note: Compiles outside the lock] in
 # signature_cache.py), a graph's first signature compiles on the compile
 # pool once the graph is handed over (extracted_once), and a call's own
-# inputs are synced before the lock (sync_before_the_lock), so that calls
-# of compiled programs go on meanwhile. What still holds it:
-# a trace of the arguments themselves (views, aliases, SPMD; with its
-# restore), a graph's hand-over (its look-ahead run), a capture and a
-# guard check (see [Note: What reads the model's tensors] in
-# serialization.py).
+# inputs are synced before the lock (sync_before_the_lock, a bound
+# program's included), so that calls of compiled programs go on meanwhile.
+# What still holds it: a trace of the arguments themselves (arguments that
+# share data, SPMD; with its restore), a graph's hand-over (its look-ahead
+# run), a capture and a guard check (see [Note: What reads the model's
+# tensors] in serialization.py).
 # Lock order, first taken first:
 #   1. a graph's first-call lock (extracted_once, and the serializable
 #      backend's);
@@ -58,8 +59,12 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 #      with a placeholder among its inputs (see [Note: Placeholder tensors]
 #      in io_utils.py) takes it for the whole compile (torch's lazy graph
 #      walk waits on an input with no buffer as on a run's result still to
-#      come), so every run of the device waits for that compile; it waits
-#      for nothing of ours meanwhile.
+#      come), so every run of the device waits for that compile, holding
+#      the GIL (`_run_cached_graph` does not let it go): a warm-up's compile
+#      on placeholders stops the process for its length, a call's trace
+#      stands on its arguments' buffers instead (see [Note: Stand-ins that
+#      hold buffers] in placeholder_trace.py); it waits for nothing of ours
+#      meanwhile.
 # No thread takes a lock earlier in that order while it holds a later one:
 # nothing calls a compiled graph under execution_lock or under dynamo's
 # compile lock (a graph's first call runs in dynamo's transformed code,

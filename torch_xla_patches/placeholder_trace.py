@@ -4,7 +4,7 @@ with no lock held (see [Note: Traces on placeholders]); which graphs can be,
 and the ops that read values while traced.
 """
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch_xla
@@ -12,8 +12,10 @@ import torch_xla.runtime as xr
 
 from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
-from torch_xla_patches.donation import (data_id_of, donatable_positions,
+from torch_xla_patches.donation import (clear_donor_mark, data_id_of,
+                                        donatable_positions, given_data,
                                         sets_own_donors)
+from torch_xla_patches.execution import note_data, sync_alone
 from torch_xla_patches.signature import ArgLayout, UnsupportedGraphInput
 from torch_xla_patches import tracing
 from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
@@ -49,8 +51,9 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
 # Where a placeholder cannot say what the argument is, the arguments
 # themselves are traced, under the lock (can_trace_on_placeholders is
 # False):
-#   * two arguments that share data, or a view: the graph would lose that
-#     they are one buffer;
+#   * two arguments that share data, a view of another argument, two views
+#     of one tensor, or a graph that updates a view (raised after the first
+#     trace): the graph would lose that they are one buffer;
 #   * tensors the graph reads as attributes of its module (graph_constants),
 #     which are not arguments;
 #   * under SPMD (shardings), and a graph that marks its own donors;
@@ -60,6 +63,38 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
 #     does not exist, and the process dies;
 #   * the flag config.trace_on_placeholders is off, or apply() did not
 #     install the sync's guard (io_utils.placeholder_traces.guarded).
+
+# [Note: Stand-ins that hold buffers]
+# torch_xla compiles a graph whose inputs include device data with no
+# buffer (a placeholder) holding its device lock for the whole compile
+# (torch's lazy graph walk waits on such data as on a run's result still to
+# come), and `_run_cached_graph` waits for that lock holding the GIL: every
+# thread of the process stops until the compile is done, measured at the
+# compile's length (tools/bench_device_lock.py). So a trace of a call's
+# signature, whose arguments hold buffers, stands for each such argument
+# with an alias of its buffer instead of a placeholder (BufferAliases): a
+# lazy tensor of its own on the argument's device data
+# (`_get_tensors_xla_device_data_node`), which the trace reads and writes
+# as it would a placeholder, and whose compile takes no device lock. A view
+# argument stands for itself with a copy of its values (its own buffer, at
+# most _VIEW_COPY_MAX_BYTES; a larger one gets a placeholder); a warm-up's
+# placeholders stay placeholders. Invariants:
+#   * the aliases are made and released under execution_lock, where a trace
+#     of the arguments reads them too: making one gives its argument the IR
+#     node of its own data, which the data ledger takes for a read (see
+#     [Note: Donating in-place updates] in donation.py), so release() gives
+#     an argument the ledger vouched for its data back as it was, unless a
+#     run set its data meanwhile;
+#   * matched by buffer handle (see [Note: Matching graph inputs] in
+#     tracing.py); an alias the matching did not find is refused
+#     (_check_matched), as a constant would be this call's buffer;
+#   * a donated argument's alias carries the donor mark onto the argument's
+#     buffer: it is cleared when the compile is done or failed, before the
+#     trace leaves flight, so no sync of every live tensor (which waits for
+#     traces in flight) sees it. A donated argument is the call's own (a
+#     request's cache): a program that donates a buffer other threads read
+#     meanwhile is a race of the caller's, as with any donating run;
+#   * config.trace_on_buffer_aliases off: placeholders for every argument.
 
 # Bare names of ops, functions and tensor methods that read their inputs'
 # values on the host, or whose torch_xla kernels run on the CPU for some
@@ -121,18 +156,14 @@ def can_trace_on_placeholders(xla_model: torch.fx.GraphModule,
       graph_reads_values(xla_model.graph)):
     return False
   tensors = [args[i] for i in layout.tensor_positions]
-  if any(t.device.type != 'xla' or t._is_view() for t in tensors):
+  if any(t.device.type != 'xla' for t in tensors):
     return False
-  return len({data_id_of(t) for t in tensors}) == len(tensors)
-
-
-def _with_placeholders(args: Sequence[Any],
-                       positions: Sequence[int]) -> List[Any]:
-  replaced = list(args)
-  for position in positions:
-    replaced[position] = io_utils.placeholder(args[position].shape,
-                                              args[position].dtype)
-  return replaced
+  if len({data_id_of(t) for t in tensors}) != len(tensors):
+    return False
+  # A view stands alone: its base is no argument, nor the base of another.
+  bases = [id(t._base) for t in tensors if t._is_view()]
+  return (len(set(bases)) == len(bases) and
+          not set(bases) & {id(t) for t in tensors})
 
 
 def _holds_no_buffer(tensor: torch.Tensor) -> bool:
@@ -142,41 +173,190 @@ def _holds_no_buffer(tensor: torch.Tensor) -> bool:
       tensor)
 
 
+def _alias_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+  """A lazy tensor of its own on `tensor`'s device data, or None."""
+  _, values = torch_xla._XLAC._get_tensors_xla_device_data_node([tensor], [])
+  if len(values) != 1:
+    return None
+  handles = torch_xla._XLAC._get_tensors_handle([tensor, values[0]])
+  return values[0] if handles[0] == handles[1] else None
+
+
+# The largest view a trace on placeholders copies to stand for it (see [Note:
+# Stand-ins that hold buffers]); a larger one has a placeholder.
+_VIEW_COPY_MAX_BYTES = 1 << 20
+
+
+def _copy_of_view(view: torch.Tensor) -> Optional[torch.Tensor]:
+  """A buffer of its own with `view`'s values, or None for a view too large
+  to copy."""
+  if view.nelement() * view.element_size() > _VIEW_COPY_MAX_BYTES:
+    return None
+  copy = torch.clone(view)
+  sync_alone([copy])
+  return copy
+
+
+@dataclasses.dataclass(frozen=True)
+class _Restore:
+  """An argument that building its aliases left read (see [Note: Stand-ins
+  that hold buffers])."""
+  data_id: str  # the argument's data id the aliases left it
+  keeper: torch.Tensor  # an alias to give it back, which nothing traced
+
+
+@dataclasses.dataclass
+class BufferAliases:
+  """Aliases of the buffers of a call's arguments, for a trace on
+  placeholders to stand for them (see [Note: Stand-ins that hold buffers]):
+  made and released under execution_lock, used with it let go."""
+  # position -> one alias for each of the two traces (the first, the
+  # donating one), for each argument that holds a buffer of its own.
+  by_position: Dict[int, Tuple[torch.Tensor, torch.Tensor]]
+  restores: Dict[int, _Restore]
+  # The device data handles of the aliased buffers.
+  handles: Set[int]
+
+  @classmethod
+  def of(cls, args: Sequence[Any], positions: Sequence[int]) -> 'BufferAliases':
+    by_position: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+    restores: Dict[int, _Restore] = {}
+    if not config.trace_on_buffer_aliases:
+      return cls(by_position, restores, set())
+    tensors = [args[position] for position in positions]
+    pending = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+    for position, tensor, flag in zip(positions, tensors, pending):
+      if tensor._is_view():
+        copy = _copy_of_view(tensor)
+        if copy is not None:
+          by_position[position] = (copy, _alias_of(copy))
+        continue
+      if flag or io_utils.is_placeholder(tensor) or _holds_no_buffer(tensor):
+        continue
+      before = data_id_of(tensor)
+      given = given_data(tensor, before, forget=False) is True
+      first = _alias_of(tensor)
+      if first is None:
+        continue
+      by_position[position] = (first, _alias_of(tensor))
+      after = data_id_of(tensor)
+      if given and after != before and torch._is_functional_tensor(tensor):
+        restores[position] = _Restore(data_id=after, keeper=_alias_of(tensor))
+    handles = set(
+        torch_xla._XLAC._get_tensors_handle([
+            first for first, _ in by_position.values()
+        ])) if by_position else set()
+    return cls(by_position, restores, handles)
+
+  def stand_ins(self, args: Sequence[Any], positions: Sequence[int],
+                donating: bool) -> 'StandIns':
+    """The stand-ins of one trace: an alias where the argument holds a
+    buffer, else a placeholder."""
+    replaced = list(args)
+    placeholders = []
+    for position in positions:
+      aliases = self.by_position.get(position)
+      if aliases is None:
+        replaced[position] = io_utils.placeholder(args[position].shape,
+                                                  args[position].dtype)
+        placeholders.append(position)
+      else:
+        replaced[position] = aliases[1 if donating else 0]
+    return StandIns(args=replaced, placeholders=tuple(placeholders))
+
+  def release(self, args: Sequence[Any]) -> None:
+    """Drops the aliases and gives an argument left read its device data
+    back as given, unless something set its data since. Under
+    execution_lock."""
+    self.by_position.clear()
+    for position, restore in self.restores.items():
+      tensor = args[position]
+      if data_id_of(tensor) == restore.data_id:
+        keeper = restore.keeper
+        if torch._is_functional_tensor(keeper):
+          keeper = torch._from_functional_tensor(keeper)
+        torch._functionalize_replace(tensor, keeper)
+        torch._functionalize_commit_update(tensor)
+        torch._functionalize_sync(tensor)
+        note_data(tensor, given=True)
+    self.restores.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class StandIns:
+  """What a trace on placeholders traces on, by argument position."""
+  args: List[Any]
+  # The positions holding a placeholder; every other tensor position holds
+  # an alias of its argument's buffer.
+  placeholders: Tuple[int, ...]
+
+
+def clear_donor_marks(args: Sequence[Any], donated: Sequence[int]) -> None:
+  """Clears the donor marks a trace on placeholders left on the buffers of
+  the arguments at `donated` (see [Note: Stand-ins that hold buffers]), once
+  the caller's compile of that trace is done or has failed."""
+  for position in donated:
+    clear_donor_mark(args[position])
+
+
+def _check_matched(traced: TracedGraph, aliases: BufferAliases) -> None:
+  """Raises where a stand-in the matching did not find would be a constant
+  of the program, passed to every run: a buffer that does not exist, or the
+  buffer of this call's argument, read by every later call."""
+  for value in traced.entry.graph_input_matcher.graph_input_xla_values:
+    if value is not None and (_holds_no_buffer(value) or
+                              torch_xla._XLAC._get_tensors_handle(
+                                  [value])[0] in aliases.handles):
+      raise UnsupportedGraphInput(
+          'a stand-in was not matched to its argument; tracing the '
+          'arguments')
+
+
 def trace_on_placeholders(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                          layout: ArgLayout) -> TracedGraph:
+                          layout: ArgLayout,
+                          aliases: BufferAliases) -> TracedGraph:
   """Traces the signature of `args` on placeholders for them, with donated
   buffers where the graph updates arguments (see [Note: Donating in-place
   updates] in donation.py), touching no argument (see [Note: Traces on
   placeholders]; can_trace_on_placeholders said so). The graph's tensors
   are those computed. Call it in flight (io_utils.placeholder_traces)."""
   positions = layout.tensor_positions
-  traced = tracing.trace_graph(xla_model, _with_placeholders(args, positions),
-                               layout, positions)
+  stand_ins = aliases.stand_ins(args, positions, donating=False)
+  traced = tracing.trace_graph(xla_model, stand_ins.args, layout,
+                               stand_ins.placeholders)
+  del stand_ins
   updated = [
       position for position, _ in traced.entry.output_plan.inplace_updates
   ]
+  if any(args[position]._is_view() for position in updated):
+    # Its stand-in is no view: the update would not reach the view's base.
+    raise UnsupportedGraphInput(
+        'the graph updates a view argument; tracing the arguments')
   donated = (donatable_positions(args, updated, layout)
              if config.donate_inplace_updates and updated else ())
   peers: Tuple[int, ...] = ()
   if donated:
-    # The first trace updated its placeholders: trace again on fresh ones.
+    # The first trace updated its stand-ins: trace again on fresh ones.
     del traced
-    replaced = _with_placeholders(args, positions)
-    for position in donated:
-      torch_xla._XLAC._set_buffer_donation(replaced[position], True)
-    traced = tracing.trace_graph(xla_model, replaced, layout, positions)
-    del replaced
-    # See trace_donating: an argument written without being read is no
-    # input of the program.
-    inputs = set(traced.entry.graph_input_matcher.arg_idxs)
+    stand_ins = aliases.stand_ins(args, positions, donating=True)
+    try:
+      for position in donated:
+        torch_xla._XLAC._set_buffer_donation(stand_ins.args[position], True)
+      traced = tracing.trace_graph(xla_model, stand_ins.args, layout,
+                                   stand_ins.placeholders)
+      del stand_ins
+      # See trace_donating: an argument written without being read is no
+      # input of the program.
+      inputs = set(traced.entry.graph_input_matcher.arg_idxs)
+      _check_matched(traced, aliases)
+    except BaseException:
+      clear_donor_marks(args, donated)
+      raise
+    clear_donor_marks(
+        args, [position for position in donated if position not in inputs])
     donated = tuple(position for position in donated if position in inputs)
-  # A placeholder the matching did not find would be a constant of the
-  # program, passed to every run: a buffer that does not exist.
-  if any(value is not None and _holds_no_buffer(value)
-         for value in traced.entry.graph_input_matcher.graph_input_xla_values):
-    raise UnsupportedGraphInput(
-        'a placeholder was not matched to its argument; tracing the '
-        'arguments')
+  else:
+    _check_matched(traced, aliases)
   if donated:
     # Counted once the trace is kept (the arguments' trace counts its own).
     increment_counter(COUNTER_DONATED, len(donated))
