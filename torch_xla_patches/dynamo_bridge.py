@@ -582,8 +582,17 @@ class InputCollector(torch.fx.Interpreter):
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   torch_xla._XLAC._xla_increment_counter('DynamoExtractCompiledGraph', 1)
+  # The call's own inputs (not parameters, which other threads read) are
+  # synced before the lock, as a compiled graph's call's are: those of a new
+  # shape compile a sync program of their own (see [Note: Threads] in
+  # execution.py).
+  synced = execution.sync_before_the_lock([
+      arg for arg in xla_args if isinstance(arg, torch.Tensor) and
+      arg.device.type == 'xla' and not isinstance(arg, torch.nn.Parameter)
+  ])
   with execution.execution_lock, torch_xla.experimental.eager_mode_context(
       False):
+    execution.note_synced_inputs(synced)
     return extract_compiled_graph_helper(xla_model, xla_args)
 
 

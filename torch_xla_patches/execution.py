@@ -249,6 +249,11 @@ def sync_before_the_lock(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
   if True not in flags:
     return []
   pending = [t for t, flag in zip(tensors, flags) if flag]
+  # Runs in flight done first, the GIL let go: a sync whose IR reads a
+  # result still to come holds torch_xla's device lock through its compile
+  # (see lock 5 in [Note: Threads]), and other threads' runs wait for it
+  # holding the GIL.
+  torch_xla._XLAC._xla_wait_device_ops([])
   sync_alone(pending)
   return pending
 

@@ -268,6 +268,13 @@ class BufferAliases:
     """Drops the aliases and gives an argument left read its device data
     back as given, unless something set its data since. Under
     execution_lock."""
+    # An alias a trace wrote to holds IR that updates the argument's buffer,
+    # which torch_xla names by the alias: a sync of every live tensor that
+    # found it would hand that buffer over to it. So none leaves as such.
+    for aliases in self.by_position.values():
+      for alias in aliases:
+        torch_xla._XLAC._replace_xla_tensor(
+            alias, io_utils.placeholder(alias.shape, alias.dtype))
     self.by_position.clear()
     for position, restore in self.restores.items():
       tensor = args[position]
