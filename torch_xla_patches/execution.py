@@ -302,6 +302,14 @@ def note_data(tensor: torch.Tensor, given: bool) -> None:
     del known_data[next(iter(known_data))]
 
 
+def move_data_note(old_key: int, tensor: torch.Tensor) -> None:
+  """Moves what the data ledger notes under the lazy tensor `old_key` named
+  to `tensor`, which holds the same data under a lazy tensor of its own."""
+  known = known_data.pop(old_key, None)
+  if known is not None:
+    known_data[torch_xla._XLAC._xla_get_tensor_id(tensor)] = known
+
+
 def data_id_of(tensor: torch.Tensor) -> str:
   """torch_xla's name of `tensor`'s IR node and output index while it has
   one ("<node>, <index>"), else of its device data."""

@@ -10,12 +10,11 @@ import torch
 import torch_xla
 import torch_xla.runtime as xr
 
-from torch_xla_patches import config, io_utils
+from torch_xla_patches import config, io_utils, torch_internals
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
 from torch_xla_patches.donation import (clear_donor_mark, data_id_of,
-                                        donatable_positions, given_data,
-                                        sets_own_donors)
-from torch_xla_patches.execution import note_data, sync_alone
+                                        donatable_positions, sets_own_donors)
+from torch_xla_patches.execution import move_data_note, sync_alone
 from torch_xla_patches.signature import ArgLayout, UnsupportedGraphInput
 from torch_xla_patches import tracing
 from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
@@ -82,9 +81,10 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
 #   * the aliases are made and released under execution_lock, where a trace
 #     of the arguments reads them too: making one gives its argument the IR
 #     node of its own data, which the data ledger takes for a read (see
-#     [Note: Donating in-place updates] in donation.py), so release() gives
-#     an argument the ledger vouched for its data back as it was, unless a
-#     run set its data meanwhile;
+#     [Note: Donating in-place updates] in donation.py: its next donating
+#     run would copy it), so release() gives each such argument its device
+#     data back as it was, with the ledger's note of it, unless a run set
+#     its data meanwhile; an alias a trace wrote to is left a placeholder;
 #   * matched by buffer handle (see [Note: Matching graph inputs] in
 #     tracing.py); an alias the matching did not find is refused
 #     (_check_matched), as a constant would be this call's buffer;
@@ -203,6 +203,7 @@ class _Restore:
   that hold buffers])."""
   data_id: str  # the argument's data id the aliases left it
   keeper: torch.Tensor  # an alias to give it back, which nothing traced
+  key: int  # the argument's lazy tensor id before, in the data ledger
 
 
 @dataclasses.dataclass
@@ -234,14 +235,16 @@ class BufferAliases:
       if flag or io_utils.is_placeholder(tensor) or _holds_no_buffer(tensor):
         continue
       before = data_id_of(tensor)
-      given = given_data(tensor, before, forget=False) is True
+      key = torch_xla._XLAC._xla_get_tensor_id(tensor)
       first = _alias_of(tensor)
       if first is None:
         continue
       by_position[position] = (first, _alias_of(tensor))
       after = data_id_of(tensor)
-      if given and after != before and torch._is_functional_tensor(tensor):
-        restores[position] = _Restore(data_id=after, keeper=_alias_of(tensor))
+      if after != before and torch_internals.is_functional(tensor):
+        restores[position] = _Restore(data_id=after,
+                                      keeper=_alias_of(tensor),
+                                      key=key)
     handles = set(
         torch_xla._XLAC._get_tensors_handle([
             first for first, _ in by_position.values()
@@ -266,8 +269,8 @@ class BufferAliases:
 
   def release(self, args: Sequence[Any]) -> None:
     """Drops the aliases and gives an argument left read its device data
-    back as given, unless something set its data since. Under
-    execution_lock."""
+    back, with the data ledger's note, unless something set its data since.
+    Under execution_lock."""
     # An alias a trace wrote to holds IR that updates the argument's buffer,
     # which torch_xla names by the alias: a sync of every live tensor that
     # found it would hand that buffer over to it. So none leaves as such.
@@ -279,13 +282,10 @@ class BufferAliases:
     for position, restore in self.restores.items():
       tensor = args[position]
       if data_id_of(tensor) == restore.data_id:
-        keeper = restore.keeper
-        if torch._is_functional_tensor(keeper):
-          keeper = torch._from_functional_tensor(keeper)
-        torch._functionalize_replace(tensor, keeper)
-        torch._functionalize_commit_update(tensor)
-        torch._functionalize_sync(tensor)
-        note_data(tensor, given=True)
+        # The same values: no update for its views to replay (a commit
+        # would make each view's next use pending IR, synced by a compile).
+        torch_internals.replace_functional_value(tensor, restore.keeper)
+        move_data_note(restore.key, tensor)
     self.restores.clear()
 
 
