@@ -99,9 +99,10 @@ def compiled_writer(mode):
   return cpu, step
 
 
-def decode_steps(cpu, step, rows, count, seed):
+def decode_steps(cpu, step, rows, count, seed, as_view=False):
   """`count` steps on a cache of `rows` rows, on the device and on the CPU;
-  the outputs of both."""
+  the outputs of both. `as_view`: the step input is a view of a larger
+  tensor (as generate() passes `input_ids[:, -1:]`)."""
   generator = torch.Generator().manual_seed(seed)
   cache_cpu = torch.zeros(rows, WIDTH)
   cache = torch.zeros(rows, WIDTH, device=torch_xla.device())
@@ -109,8 +110,10 @@ def decode_steps(cpu, step, rows, count, seed):
   for _ in range(count):
     x = torch.randn(SLOTS, WIDTH, generator=generator)
     slots = torch.randperm(rows, generator=generator)[:SLOTS]
+    step_input = (xla(torch.cat([torch.zeros(SLOTS, WIDTH), x]))[SLOTS:]
+                  if as_view else xla(x))
     with torch.no_grad():
-      got.append(step(xla(x), xla(slots), cache).cpu())
+      got.append(step(step_input, xla(slots), cache).cpu())
     want.append(eager_step(cpu, x, slots, cache_cpu))
   return got, want, cache.cpu(), cache_cpu
 
@@ -148,22 +151,27 @@ def steps_complete_while_held(cpu, step, hold, new_shape_call):
   check_steps(outcome['result'])
 
 
+@pytest.mark.parametrize('step_input', ['tensor', 'view'])
 @pytest.mark.parametrize('held', ['trace', 'compile'])
 @pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
 def test_calls_complete_while_a_donating_signature_is_made(
-    patched_bridge, monkeypatch, mode, held):
+    patched_bridge, monkeypatch, mode, held, step_input):
   # A new cache size is a new signature of a program that updates its
   # cache in place and takes its buffer over. Its trace, or its XLA
   # compile, is held on the thread that asked for it; meanwhile this
   # thread's steps of the compiled size run, on their own cache, to the
-  # end. The trace ran on placeholders for the arguments, and no lock was held
+  # end. The trace ran on stand-ins for the arguments, and no lock was held
   # while it traced and compiled (see [Note: Traces on placeholders] in
-  # tracing.py).
+  # placeholder_trace.py). A step input that is a view whose base is no
+  # other argument is stood for by a copy of its values ([Note: Stand-ins
+  # that hold buffers]); it was traced on the arguments under the lock, and
+  # this thread's steps waited.
   cpu, step = compiled_writer(mode)
   decode_steps(cpu, step, 16, 2, seed=0)  # compiled, and learned
   hold = held_on_new_shape(monkeypatch, held)
-  steps_complete_while_held(cpu, step, hold,
-                            lambda: decode_steps(cpu, step, 32, 3, 1))
+  steps_complete_while_held(
+      cpu, step, hold,
+      lambda: decode_steps(cpu, step, 32, 3, 1, as_view=step_input == 'view'))
 
 
 @pytest.mark.parametrize('held', ['trace', 'compile'])
@@ -192,38 +200,6 @@ def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
     return [got], [eager_step(cpu, x, slots, cache_cpu)], cache.cpu(), cache_cpu
 
   steps_complete_while_held(cpu, step, hold, other_batch)
-
-
-def view_steps(cpu, step, rows, count, seed):
-  """decode_steps whose step input is a view of a larger tensor (as
-  generate() passes `input_ids[:, -1:]`)."""
-  generator = torch.Generator().manual_seed(seed)
-  cache_cpu = torch.zeros(rows, WIDTH)
-  cache = torch.zeros(rows, WIDTH, device=torch_xla.device())
-  got, want = [], []
-  for _ in range(count):
-    x = torch.randn(SLOTS, WIDTH, generator=generator)
-    slots = torch.randperm(rows, generator=generator)[:SLOTS]
-    wider = xla(torch.cat([torch.zeros(SLOTS, WIDTH), x]))
-    with torch.no_grad():
-      got.append(step(wider[SLOTS:], xla(slots), cache).cpu())
-    want.append(eager_step(cpu, x, slots, cache_cpu))
-  return got, want, cache.cpu(), cache_cpu
-
-
-@pytest.mark.parametrize('held', ['trace', 'compile'])
-@pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
-def test_calls_complete_while_a_signature_with_a_view_argument_is_made(
-    patched_bridge, monkeypatch, mode, held):
-  # The new shape's step input is a view whose base is no other argument:
-  # its trace stands for it with a copy of its values, off the lock (see
-  # [Note: Stand-ins that hold buffers] in placeholder_trace.py); it was
-  # traced on the arguments under the lock, and this thread's steps waited.
-  cpu, step = compiled_writer(mode)
-  decode_steps(cpu, step, 16, 2, seed=0)
-  hold = held_on_new_shape(monkeypatch, held)
-  steps_complete_while_held(cpu, step, hold,
-                            lambda: view_steps(cpu, step, 32, 3, 1))
 
 
 @pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
