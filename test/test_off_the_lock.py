@@ -214,6 +214,7 @@ def test_a_new_signature_compiles_on_its_arguments_buffers(
   # buffers] in placeholder_trace.py).
   import torch_xla.debug.metrics as met
   from torch_xla_patches.counters import COUNTER_DONATION_COPIED_READ
+  monkeypatch.setattr(config, 'trace_on_buffer_aliases', True)
   cpu, step = compiled_writer(mode)
   decode_steps(cpu, step, 16, 2, seed=0)
   compile_graph = compile_window.compile_graph
@@ -237,13 +238,14 @@ def test_a_new_signature_compiles_on_its_arguments_buffers(
 
 @pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
 def test_a_sync_after_a_trace_on_aliases_leaves_the_arguments_right(
-    patched_bridge, mode):
+    patched_bridge, monkeypatch, mode):
   # A trace on aliases writes the alias of the cache it donates; torch_xla's
   # sync of every live tensor would hand the buffer an alias names over to
   # that alias. After the new signature is made, a sync and more steps on
   # the same cache give eager's results (see [Note: Stand-ins that hold
   # buffers] in placeholder_trace.py).
   import gc
+  monkeypatch.setattr(config, 'trace_on_buffer_aliases', True)
   cpu, step = compiled_writer(mode)
   decode_steps(cpu, step, 16, 1, seed=0)
   generator = torch.Generator().manual_seed(5)

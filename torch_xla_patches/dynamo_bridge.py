@@ -147,30 +147,40 @@ def _trace_and_compile_on_stand_ins(
   # mark it left is cleared: the end of this block, a failed trace's
   # included.
   try:
-    try:
-      count_epilogue_updates(xla_model)
-      traced = placeholder_trace.trace_on_placeholders(xla_model, args, layout,
-                                                       aliases)
-    except Exception as error:  # pylint: disable=broad-except
-      # Leaving this block drops the error, whose traceback holds the
-      # trace's frames and so its placeholders.
-      logger.debug(
-          'a trace on placeholders raised %s: %s; tracing the '
-          'arguments',
-          type(error).__name__, error)
-      return None
-    entry = traced.entry
-    graph_tensors = traced.graph_tensors
-    del traced
-    try:
-      if graph_tensors:
-        # Emptied, whether or not the compile raises.
-        compile_window.compile_traced(graph_tensors)
-    finally:
-      placeholder_trace.clear_donor_marks(args, entry.donated_positions)
+    if not aliases.by_position:
+      return _trace_and_compile_in_flight(xla_model, args, layout, aliases)
+    with placeholder_trace.alias_lock:
+      return _trace_and_compile_in_flight(xla_model, args, layout, aliases)
   finally:
     placeholders.traced()
     placeholders.end()
+
+
+def _trace_and_compile_in_flight(
+    xla_model: torch.fx.GraphModule, args: Sequence[Any], layout: ArgLayout,
+    aliases: placeholder_trace.BufferAliases) -> Optional[CompiledGraphEntry]:
+  """_trace_and_compile_on_stand_ins's trace and compile, under alias_lock."""
+  try:
+    count_epilogue_updates(xla_model)
+    traced = placeholder_trace.trace_on_placeholders(xla_model, args, layout,
+                                                     aliases)
+  except Exception as error:  # pylint: disable=broad-except
+    # Leaving this block drops the error, whose traceback holds the
+    # trace's frames and so its placeholders.
+    logger.debug(
+        'a trace on placeholders raised %s: %s; tracing the '
+        'arguments',
+        type(error).__name__, error)
+    return None
+  entry = traced.entry
+  graph_tensors = traced.graph_tensors
+  del traced
+  try:
+    if graph_tensors:
+      # Emptied, whether or not the compile raises.
+      compile_window.compile_traced(graph_tensors)
+  finally:
+    placeholder_trace.clear_donor_marks(args, entry.donated_positions)
   return entry
 
 

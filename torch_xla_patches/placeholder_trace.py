@@ -4,6 +4,7 @@ with no lock held (see [Note: Traces on placeholders]); which graphs can be,
 and the ops that read values while traced.
 """
 import dataclasses
+import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -181,6 +182,14 @@ def _alias_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
   handles = torch_xla._XLAC._get_tensors_handle([tensor, values[0]])
   return values[0] if handles[0] == handles[1] else None
 
+
+# Held while a trace on aliases and its compile run: torch_xla writes the id
+# of the lazy tensor that reads device data into that data (shared by every
+# alias of one buffer, a parameter's by every trace), so two threads' traces
+# on aliases of one buffer would write it at once (measured: a segmentation
+# fault in a warm-up of two buckets). Never taken under execution_lock, and
+# nothing waits for another lock while holding it.
+alias_lock = threading.Lock()
 
 # The largest view a trace on placeholders copies to stand for it (see [Note:
 # Stand-ins that hold buffers]); a larger one has a placeholder.
