@@ -432,3 +432,17 @@ def sync_alone_noting_reads(tensors: Sequence[torch.Tensor]) -> None:
   for tensor in read:
     if not read_since_set(tensor):
       note_data(tensor, given=False)
+
+
+def is_functional(tensor: torch.Tensor) -> bool:
+  """Whether `tensor` is a functionalization wrapper."""
+  return torch._is_functional_tensor(tensor)
+
+
+def replace_functional_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
+  """Gives the functionalization wrapper `tensor` the lazy tensor inside
+  `value` (or `value` itself) as its value, logging no update: for a value
+  that holds the same data, which its views need not replay."""
+  if torch._is_functional_tensor(value):
+    value = torch._from_functional_tensor(value)
+  torch._functionalize_replace(tensor, value)

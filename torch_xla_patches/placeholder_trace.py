@@ -11,10 +11,12 @@ import torch
 import torch_xla
 import torch_xla.runtime as xr
 
-from torch_xla_patches import config, io_utils, torch_internals
+from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
 from torch_xla_patches.donation import (clear_donor_mark, data_id_of,
-                                        donatable_positions, sets_own_donors)
+                                        donatable_positions, is_functional,
+                                        replace_functional_value,
+                                        sets_own_donors)
 from torch_xla_patches.execution import move_data_note, sync_alone
 from torch_xla_patches.signature import ArgLayout, UnsupportedGraphInput
 from torch_xla_patches import tracing
@@ -250,7 +252,7 @@ class BufferAliases:
         continue
       by_position[position] = (first, _alias_of(tensor))
       after = data_id_of(tensor)
-      if after != before and torch_internals.is_functional(tensor):
+      if after != before and is_functional(tensor):
         restores[position] = _Restore(data_id=after,
                                       keeper=_alias_of(tensor),
                                       key=key)
@@ -293,7 +295,7 @@ class BufferAliases:
       if data_id_of(tensor) == restore.data_id:
         # The same values: no update for its views to replay (a commit
         # would make each view's next use pending IR, synced by a compile).
-        torch_internals.replace_functional_value(tensor, restore.keeper)
+        replace_functional_value(tensor, restore.keeper)
         move_data_note(restore.key, tensor)
     self.restores.clear()
 

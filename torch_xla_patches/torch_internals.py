@@ -545,19 +545,3 @@ def pytree() -> Tuple[Callable[[Any], Tuple[List[Any], Any]], Callable[
   Hugging Face's ModelOutput)."""
   return (_attribute('torch.utils._pytree', 'tree_flatten'),
           _attribute('torch.utils._pytree', 'tree_unflatten'))
-
-
-def is_functional(tensor: Any) -> bool:
-  """Whether `tensor` is a functionalization wrapper."""
-  import torch
-  return torch._is_functional_tensor(tensor)
-
-
-def replace_functional_value(tensor: Any, value: Any) -> None:
-  """Gives the functionalization wrapper `tensor` the lazy tensor inside
-  `value` (or `value` itself) as its value, logging no update: for a value
-  that holds the same data, which its views need not replay."""
-  import torch
-  if torch._is_functional_tensor(value):
-    value = torch._from_functional_tensor(value)
-  torch._functionalize_replace(tensor, value)
