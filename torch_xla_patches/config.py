@@ -404,13 +404,11 @@ trace_on_placeholders = _flag('trace_on_placeholders',
 # own with an alias of that buffer (another tensor on the same device data)
 # instead of a placeholder, so that its compile takes no device lock and
 # calls of other threads run meanwhile (see [Note: Stand-ins that hold
-# buffers] in placeholder_trace.py). Off (the default): placeholders for
-# every argument. On, traces on aliases run one at a time (alias_lock), so a
-# new signature's trace waits for another's trace and compile. The programs
-# are the same either way.
+# buffers] in placeholder_trace.py). Off: placeholders for every argument.
+# The programs are the same either way.
 trace_on_buffer_aliases = _flag('trace_on_buffer_aliases',
                                 'XLA_PATCHES_TRACE_ON_BUFFER_ALIASES',
-                                False,
+                                True,
                                 BOOL,
                                 changes_program=False)
 

@@ -147,10 +147,7 @@ def _trace_and_compile_on_stand_ins(
   # mark it left is cleared: the end of this block, a failed trace's
   # included.
   try:
-    if not aliases.by_position:
-      return _trace_and_compile_in_flight(xla_model, args, layout, aliases)
-    with placeholder_trace.alias_lock:
-      return _trace_and_compile_in_flight(xla_model, args, layout, aliases)
+    return _trace_and_compile_in_flight(xla_model, args, layout, aliases)
   finally:
     placeholders.traced()
     placeholders.end()
@@ -159,7 +156,7 @@ def _trace_and_compile_on_stand_ins(
 def _trace_and_compile_in_flight(
     xla_model: torch.fx.GraphModule, args: Sequence[Any], layout: ArgLayout,
     aliases: placeholder_trace.BufferAliases) -> Optional[CompiledGraphEntry]:
-  """_trace_and_compile_on_stand_ins's trace and compile, under alias_lock."""
+  """_trace_and_compile_on_stand_ins's trace and compile."""
   try:
     count_epilogue_updates(xla_model)
     traced = placeholder_trace.trace_on_placeholders(xla_model, args, layout,

@@ -4,7 +4,6 @@ with no lock held (see [Note: Traces on placeholders]); which graphs can be,
 and the ops that read values while traced.
 """
 import dataclasses
-import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -21,7 +20,8 @@ from torch_xla_patches.execution import move_data_note, sync_alone
 from torch_xla_patches.signature import ArgLayout, UnsupportedGraphInput
 from torch_xla_patches import tracing
 from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
-                                       donation_peers, graph_constants)
+                                       device_data_info_lock, donation_peers,
+                                       graph_constants)
 
 # [Note: Traces on placeholders]
 # A trace needs the shapes and dtypes of its arguments, never their values
@@ -81,6 +81,16 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
 # argument stands for itself with a copy of its values (its own buffer, at
 # most _VIEW_COPY_MAX_BYTES; a larger one gets a placeholder); a warm-up's
 # placeholders stay placeholders. Invariants:
+#   * every alias a trace reads has its IR node made with it, under
+#     execution_lock and device_data_info_lock (tracing.py): torch_xla
+#     writes into device data, shared by every alias of one buffer (a
+#     parameter's by every trace), the id of the lazy tensor that first
+#     reads it, replacing what was there. A trace that made that node would
+#     write it while another thread's trace read or wrote it (measured: a
+#     segmentation fault, two warm-up traces at once); a trace on aliases
+#     with their nodes writes no shared info and reads it (the graph's
+#     inputs) under device_data_info_lock alone, so traces on aliases run
+#     side by side;
 #   * the aliases are made and released under execution_lock, where a trace
 #     of the arguments reads them too: making one gives its argument the IR
 #     node of its own data, which the data ledger takes for a read (see
@@ -176,22 +186,23 @@ def _holds_no_buffer(tensor: torch.Tensor) -> bool:
       tensor)
 
 
-def _alias_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
-  """A lazy tensor of its own on `tensor`'s device data, or None."""
+def _alias_of(tensor: torch.Tensor,
+              traced: bool = True) -> Optional[torch.Tensor]:
+  """A lazy tensor of its own on `tensor`'s device data, or None. A traced
+  one gets its IR node here (see [Note: Stand-ins that hold buffers])."""
   _, values = torch_xla._XLAC._get_tensors_xla_device_data_node([tensor], [])
   if len(values) != 1:
     return None
-  handles = torch_xla._XLAC._get_tensors_handle([tensor, values[0]])
-  return values[0] if handles[0] == handles[1] else None
+  alias = values[0]
+  handles = torch_xla._XLAC._get_tensors_handle([tensor, alias])
+  if handles[0] != handles[1]:
+    return None
+  if traced:
+    # Its first read writes the shared device data's info: here, not in the
+    # trace.
+    torch_xla._XLAC._get_tensors_xla_device_data_node([alias], [])
+  return alias
 
-
-# Held while a trace on aliases and its compile run: torch_xla writes the id
-# of the lazy tensor that reads device data into that data (shared by every
-# alias of one buffer, a parameter's by every trace), so two threads' traces
-# on aliases of one buffer would write it at once (measured: a segmentation
-# fault in a warm-up of two buckets). Never taken under execution_lock, and
-# nothing waits for another lock while holding it.
-alias_lock = threading.Lock()
 
 # The largest view a trace on placeholders copies to stand for it (see [Note:
 # Stand-ins that hold buffers]); a larger one has a placeholder.
@@ -237,25 +248,28 @@ class BufferAliases:
       return cls(by_position, restores, set())
     tensors = [args[position] for position in positions]
     pending = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+    held = []
     for position, tensor, flag in zip(positions, tensors, pending):
       if tensor._is_view():
-        copy = _copy_of_view(tensor)
+        copy = _copy_of_view(tensor)  # private: no data info to share
         if copy is not None:
           by_position[position] = (copy, _alias_of(copy))
-        continue
-      if flag or io_utils.is_placeholder(tensor) or _holds_no_buffer(tensor):
-        continue
-      before = data_id_of(tensor)
-      key = torch_xla._XLAC._xla_get_tensor_id(tensor)
-      first = _alias_of(tensor)
-      if first is None:
-        continue
-      by_position[position] = (first, _alias_of(tensor))
-      after = data_id_of(tensor)
-      if after != before and is_functional(tensor):
-        restores[position] = _Restore(data_id=after,
-                                      keeper=_alias_of(tensor),
-                                      key=key)
+      elif not (flag or io_utils.is_placeholder(tensor) or
+                _holds_no_buffer(tensor)):
+        held.append((position, tensor))
+    with device_data_info_lock:
+      for position, tensor in held:
+        before = data_id_of(tensor)
+        key = torch_xla._XLAC._xla_get_tensor_id(tensor)
+        first = _alias_of(tensor)
+        if first is None:
+          continue
+        by_position[position] = (first, _alias_of(tensor))
+        after = data_id_of(tensor)
+        if after != before and is_functional(tensor):
+          restores[position] = _Restore(data_id=after,
+                                        keeper=_alias_of(tensor, traced=False),
+                                        key=key)
     handles = set(
         torch_xla._XLAC._get_tensors_handle([
             first for first, _ in by_position.values()

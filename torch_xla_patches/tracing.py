@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import contextlib
 import os
+import threading
 from numbers import Number
 from typing import (Any, Callable, Collection, Dict, Iterator, List, Optional,
                     Sequence, Tuple)
@@ -435,6 +436,15 @@ def _positions_by_handle(args: Sequence[Any],
   return {handle: position for (position, _), handle in zip(held, handles)}
 
 
+# Held while torch_xla reads or writes the info of device data that another
+# thread's trace may share (the id of the lazy tensor that first read it;
+# see [Note: Stand-ins that hold buffers] in placeholder_trace.py): where the
+# bridge reads a graph's inputs off the lock, and where aliases of a call's
+# buffers are made. Held for one torch_xla call at a time, never while
+# waiting for another lock.
+device_data_info_lock = threading.Lock()
+
+
 def _match_graph_inputs(
     graph_tensors: List[torch.Tensor], tensor_id_to_position: Dict[int, int],
     position_of_arg_data: Dict[int, int],
@@ -454,8 +464,9 @@ def _match_graph_inputs(
   the RNG seed)."""
   # Wait for the sync before tracing to finish before reading device data.
   xm.wait_device_ops()
-  input_ids, input_values = torch_xla._XLAC._get_tensors_xla_device_data_node(
-      graph_tensors)
+  with device_data_info_lock:
+    input_ids, input_values = (
+        torch_xla._XLAC._get_tensors_xla_device_data_node(graph_tensors))
   seed_id = torch_xla._XLAC._get_seed_info_id()
   id_to_position = dict(tensor_id_to_position)
   unmatched = []
