@@ -143,12 +143,13 @@ def _trace_and_compile_on_stand_ins(
     placeholders.begin(on_pool)
   except io_utils.PlaceholderWaitTimeout:
     return None
-  # In flight until every placeholder of the trace is gone and every donor
-  # mark it left is cleared: the end of this block, a failed trace's
-  # included.
+  # In flight until every placeholder of the trace is gone, every alias is
+  # left a placeholder and every donor mark it left is cleared: the end of
+  # this block, a failed trace's included.
   try:
     return _trace_and_compile_in_flight(xla_model, args, layout, aliases)
   finally:
+    aliases.drop()
     placeholders.traced()
     placeholders.end()
 
@@ -597,10 +598,14 @@ def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
       arg for arg in xla_args if isinstance(arg, torch.Tensor) and
       arg.device.type == 'xla' and not isinstance(arg, torch.nn.Parameter)
   ])
+  # Make CPU tensor constructors in the graph create XLA tensors.
+  XLAConstructorMoverPass()(xla_model.graph)
+  with torch_xla.experimental.eager_mode_context(False):
+    xla_only = _look_ahead_on_placeholders(xla_model, xla_args) is False
   with execution.execution_lock, torch_xla.experimental.eager_mode_context(
       False):
     execution.note_synced_inputs(synced)
-    return extract_compiled_graph_helper(xla_model, xla_args)
+    return extract_compiled_graph_helper(xla_model, xla_args, xla_only)
 
 
 def partition_fx_graph_for_cpu_fallback(
@@ -787,6 +792,56 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   return collector
 
 
+def _look_ahead_on_placeholders(xla_model: torch.fx.GraphModule,
+                                xla_args: Sequence[Any]) -> Optional[bool]:
+  """Whether the graph has a node XLA does not compile, told by a look-ahead
+  on a placeholder for each tensor argument, with no lock held; None where
+  it cannot tell so, and the look-ahead on the arguments, under
+  execution_lock, must.
+
+  [Note: A hand-over's look-ahead before the lock]
+  A call's hand-over of a new graph runs the graph node by node to find
+  fallback ops (_look_ahead), tens of milliseconds of Python that calls of
+  compiled programs would wait for under execution_lock. Run on
+  placeholders, it reads and writes nothing another thread holds, so it
+  runs before the lock, in flight as a trace on placeholders (a sync of the
+  device waits for it: [Note: Syncs wait for placeholder graphs] in
+  io_utils.py). It tells only where the answer cannot differ from the
+  arguments': a graph with no constant tensors (whose in-place updates the
+  look-ahead on the arguments sets back), no node known to read values and
+  no op its dispatch mode stops (each would be run on zeros: see [Note:
+  Look-ahead on placeholders]), every tensor on the XLA device, no SPMD.
+  Where it finds a fallback op, the look-ahead on the arguments runs as
+  before, as it does for the partition's example inputs."""
+  if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
+      tracing.graph_constants(xla_model) or
+      _graph_reads_values(xla_model.graph)):
+    return None
+  tensors = [a for a in xla_args if isinstance(a, torch.Tensor)]
+  if any(t.device.type != 'xla' for t in tensors):
+    return None
+  try:
+    io_utils.placeholder_traces.begin()
+  except io_utils.PlaceholderWaitTimeout:
+    return None
+  try:
+    collector = UnsupportedNodesCollector(xla_model, placeholders=True)
+    collector.run(*[
+        io_utils.placeholder(a.shape, a.dtype) if isinstance(a, torch.Tensor
+                                                            ) else a
+        for a in xla_args
+    ])
+    return bool(collector.get_unsupported_nodes())
+  except Exception:  # _NeedsValues among them
+    # The look-ahead on the arguments tells, and raises what it raises.
+    return None
+  finally:
+    # The IR on placeholders goes with the collector, before the flight ends.
+    collector = None
+    io_utils.placeholder_traces.traced()
+    io_utils.placeholder_traces.end()
+
+
 def _zeros_for_placeholders(xla_args: Sequence[Any]) -> List[Any]:
   """`xla_args` with each placeholder replaced by zeros of its size (see
   [Note: Look-ahead on placeholders])."""
@@ -846,7 +901,12 @@ def _run_eagerly(xla_model: torch.fx.GraphModule):
   return run_eagerly
 
 
-def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
+def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule,
+                                  xla_args,
+                                  xla_only: bool = False):
+  """The hand-over of a graph, under execution_lock; `xla_only`: a
+  look-ahead before the lock found no node XLA does not compile (see
+  _look_ahead_on_placeholders), so none runs here."""
   # Sync functional wrappers so each argument's value reference is current.
   for arg in xla_args:
     if isinstance(arg, torch.Tensor) and torch._is_functional_tensor(arg):
@@ -860,6 +920,9 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule, xla_args):
   ])
   # Make CPU tensor constructors in the graph create XLA tensors.
   XLAConstructorMoverPass()(xla_model.graph)
+  if xla_only:
+    xla_model.xla_args = xla_args
+    return extract_internal(xla_model)
 
   look_ahead = _look_ahead(xla_model, xla_args)
   xla_args = look_ahead.arguments

@@ -97,7 +97,9 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
 #     [Note: Donating in-place updates] in donation.py: its next donating
 #     run would copy it), so release() gives each such argument its device
 #     data back as it was, with the ledger's note of it, unless a run set
-#     its data meanwhile; an alias a trace wrote to is left a placeholder;
+#     its data meanwhile; every alias is left a placeholder before the
+#     trace leaves flight (drop(): a sync of every live tensor would hand
+#     the argument's buffer to an alias the trace wrote to);
 #   * matched by buffer handle (see [Note: Matching graph inputs] in
 #     tracing.py); an alias the matching did not find is refused
 #     (_check_matched), as a constant would be this call's buffer;
@@ -292,18 +294,23 @@ class BufferAliases:
         replaced[position] = aliases[1 if donating else 0]
     return StandIns(args=replaced, placeholders=tuple(placeholders))
 
-  def release(self, args: Sequence[Any]) -> None:
-    """Drops the aliases and gives an argument left read its device data
-    back, with the data ledger's note, unless something set its data since.
-    Under execution_lock."""
-    # An alias a trace wrote to holds IR that updates the argument's buffer,
-    # which torch_xla names by the alias: a sync of every live tensor that
-    # found it would hand that buffer over to it. So none leaves as such.
+  def drop(self) -> None:
+    """Leaves each alias a placeholder, before the trace leaves flight: an
+    alias a trace wrote to holds IR that updates the argument's buffer,
+    which torch_xla names by the alias, so a sync of every live tensor that
+    found it would hand that buffer over to it (measured: the argument's
+    next use failed, its buffer deleted)."""
     for aliases in self.by_position.values():
       for alias in aliases:
         torch_xla._XLAC._replace_xla_tensor(
             alias, io_utils.placeholder(alias.shape, alias.dtype))
     self.by_position.clear()
+
+  def release(self, args: Sequence[Any]) -> None:
+    """Drops the aliases (if drop() did not) and gives an argument left read
+    its device data back, with the data ledger's note, unless something set
+    its data since. Under execution_lock."""
+    self.drop()
     for position, restore in self.restores.items():
       tensor = args[position]
       if data_id_of(tensor) == restore.data_id:
