@@ -802,7 +802,7 @@ class Scoring(torch.nn.Module):
 
 def test_a_model_output_the_captured_code_builds_takes_the_fast_path(
     patched_bridge):
-  # See [Note: Results the captured code builds] in call_plan.py.
+  # See [Note: Results the captured code builds] in captured_results.py.
   if Scores is None:
     pytest.skip('transformers is not installed')
   torch.manual_seed(0)

@@ -342,7 +342,7 @@ def served_llama_forward():
 @pytest.mark.requires('torch_aot_compile')
 def test_generate_steps_take_the_fast_path_from_the_cache_they_are_given():
   # See [Note: Objects in a call] in call_spec.py and [Note: Results the
-  # captured code builds] in call_plan.py: each step's key holds the
+  # captured code builds] in captured_results.py: each step's key holds the
   # cache's layout and sizes, the plan reads its tensors from this call's
   # cache, and the CausalLMOutputWithPast is built as the captured code
   # builds it, holding this call's cache.

@@ -47,8 +47,11 @@ LAYERS = (
         'source_digest', 'serve_key', 'artifact', 'serializable_backend',
         'serialization'
     }),
-    # A served call, from its key to its result.
-    ('served calls', {'call_plan', 'fast_dispatch', 'served_model'}),
+    # A served call, from its key to its result: the results the captured
+    # code builds (captured_results) -> the plan that runs it without that
+    # code (call_plan) -> fast_dispatch -> served_model.
+    ('served calls',
+     {'captured_results', 'call_plan', 'fast_dispatch', 'served_model'}),
     # Warm-up calls what it is handed: a served model, or any compiled
     # callable.
     ('warm-up', {'warmup'}),

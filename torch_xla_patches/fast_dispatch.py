@@ -27,8 +27,8 @@ does the same work from what it learned on an earlier call:
     is the object the learned call found); building the result's objects
     (a ModelOutput, a dataclass: made as the captured code makes them, from
     this call's outputs and arguments, see [Note: Results the captured code
-    builds] in call_plan.py). Captured code that does anything else (a
-    counter the forward increments, a call of another function) gets no
+    builds] in captured_results.py). Captured code that does anything else
+    (a counter the forward increments, a call of another function) gets no
     fast path: every call takes the full path.
 A call takes the fast path only while what dynamo's guards protect is known
 unchanged:
@@ -78,6 +78,7 @@ import torch_xla
 
 from torch_xla_patches import call_plan
 from torch_xla_patches import call_spec
+from torch_xla_patches import captured_results
 from torch_xla_patches import config
 from torch_xla_patches import execution
 from torch_xla_patches import native
@@ -250,8 +251,8 @@ class ServedCalls:
     # Captured code the fast path can stand in for] in call_plan.py).
     self._module_paths = captured.module_paths
     # The classes of the objects the captured code builds its result from
-    # (see [Note: Results the captured code builds] in call_plan.py); their
-    # paths are checked per call with the state it sets back.
+    # (see [Note: Results the captured code builds] in captured_results.py);
+    # their paths are checked per call with the state it sets back.
     self._result_classes = captured.result_classes
     self._learned = _Learned.NOTHING
     # Watched from the start: a change during the first full call (the
@@ -496,7 +497,8 @@ class ServedCalls:
       ]
     except (KeyError, AttributeError):
       raise call_plan.PlanError('a class the result is built from is gone')
-    rebuild = call_plan.output_map(result, graph_outputs, leaves, classes)
+    rebuild = captured_results.output_map(result, graph_outputs, leaves,
+                                          classes)
     backend = self._backend
 
     def through_bridge(leaves: Sequence[Any]) -> Any:
