@@ -152,7 +152,8 @@ def main():
   options = parser.parse_args()
   workers = [int(w) for w in options.workers.split(',')]
   # Batch 1 is specialized by dynamo; the others share one dynamic graph.
-  # No size equals the width (see duck sizing in the README).
+  # No size equals the width (dynamo's duck sizing would give both one
+  # symbol).
   sizes = [s for s in range(2, options.signatures + 3) if s != options.width]
   modes = options.modes.split(',')
   with tempfile.TemporaryDirectory() as tmp:

@@ -47,7 +47,7 @@ Known differences, on torch_xla 2.9.0 and the CPU device:
     DestroyXlaTensor/DestroyLtcTensor appear. Upstream frees more, but its
     fallback collector clears every counter during the compile; the patch
     clears none. `rendered` passes only because its collection falls before
-    the test (README, "Upstream's own tests").
+    the test (docs/upstream-tests.md, "The differences").
   * test_dynamo.py test_resnet18 ('openxla') can count 9 ExecuteTime instead
     of 10, in any column: torch_xla records ExecuteTime in the execution's
     on-ready callback, which can run after output.cpu() returned. Rerun a

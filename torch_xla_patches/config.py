@@ -339,7 +339,7 @@ serve_capture_delay = _flag('serve_capture_delay',
 # cheaply and skips dynamo's guards. With this set, each fast call also runs
 # dynamo's guards, and a call they refuse is counted (ServeVerifyMismatch),
 # reported and served by the full path: a mode for finding a change the fast
-# path cannot see (README, "What the fast path checks").
+# path cannot see (docs/fast-path.md, "What the fast path checks").
 serve_verify = _flag('serve_verify',
                      'XLA_PATCHES_SERVE_VERIFY',
                      False,
@@ -350,8 +350,8 @@ serve_verify = _flag('serve_verify',
 # keeps its dtype, device, shape and strides (a `.data` assignment changes
 # them behind the same object, where no hook and no guard of dynamo sees
 # it): one C++ check, about 0.12 us per bound tensor. Off, such a change
-# goes unseen, as it does for torch.compile (README, "What the fast path
-# checks").
+# goes unseen, as it does for torch.compile (docs/fast-path.md, "What the
+# fast path checks").
 serve_check_bound_tensors = _flag('serve_check_bound_tensors',
                                   'XLA_PATCHES_SERVE_CHECK_TENSORS',
                                   True,
@@ -361,7 +361,7 @@ serve_check_bound_tensors = _flag('serve_check_bound_tensors',
 # The served call's per-call work in C++ (native.py, csrc/fast_path.cpp),
 # compiled once per torch release with the machine's C++ compiler. Off, or
 # where it cannot be built, the Python twins run: the same answers, with more
-# host time per served call (README, "The native fast path").
+# host time per served call (docs/fast-path.md, "The native fast path").
 native_fast_path = _flag('native_fast_path',
                          'XLA_PATCHES_NATIVE',
                          True,
@@ -378,8 +378,9 @@ native_dir = _flag('native_dir',
 
 # dynamo compiles symbolic-shape guards to C++ by default, which runs a C++
 # compiler on the first call of every dynamic graph, with no per-call gain the
-# benchmarks could measure (README). apply() turns it off unless this is set;
-# revert() restores torch's value. Guards do not change the XLA program.
+# benchmarks could measure (docs/torch-compile.md). apply() turns it off
+# unless this is set; revert() restores torch's value. Guards do not change
+# the XLA program.
 cpp_symbolic_shape_guards = _flag('cpp_symbolic_shape_guards',
                                   'XLA_PATCHES_CPP_SYMBOLIC_GUARDS',
                                   False,

@@ -341,8 +341,8 @@ class ServedCalls:
       logger.warning(
           'torch_xla_patches.serve: XLA_PATCHES_SERVE_VERIFY: dynamo\'s '
           'guards refused a call of %s that the fast path would have served: '
-          'something it does not check changed (README, "What the fast path '
-          'checks"). Served by the full path.',
+          'something it does not check changed (docs/fast-path.md, "Not '
+          'checked per call"). Served by the full path.',
           type(self._model).__name__)
     self._forget(self._learned)
     return False
