@@ -12,7 +12,7 @@ import torch_xla
 
 import torch_xla_patches
 from torch_xla_patches import (TensorSpec, compile_window, config, io_utils,
-                               tracing)
+                               placeholder_trace, tracing)
 
 WIDTH = 8
 SLOTS = 4
@@ -288,6 +288,30 @@ def test_a_sync_of_every_tensor_waits_for_traces_on_placeholders(
   assert 'error' not in outcome, outcome
   check_steps(outcome['result'])
   torch.testing.assert_close(pending.cpu(), torch.full((3,), 2.0))
+
+
+def test_a_sync_after_a_trace_leaves_flight_finds_no_alias_it_wrote(
+    patched_bridge, monkeypatch):
+  # The aliases of a trace are released under execution_lock after the
+  # trace leaves flight, and a sync of every live tensor may run in
+  # between: an alias holding the trace's update of the cache would have
+  # the sync hand the cache's buffer over to it. Synced right there (before
+  # the release), the new signature's steps still give eager's results.
+  cpu, step = compiled_writer('serve')
+  decode_steps(cpu, step, 16, 1, seed=0)
+  release = placeholder_trace.BufferAliases.release
+  synced = []
+
+  def sync_then_release(self, args):
+    if not synced:
+      synced.append(bool(self.by_position))
+      torch_xla.sync()
+    return release(self, args)
+
+  monkeypatch.setattr(placeholder_trace.BufferAliases, 'release',
+                      sync_then_release)
+  check_steps(decode_steps(cpu, step, 32, 3, 1))
+  assert synced == [False], 'the aliases were still there at the sync'
 
 
 def wait_until(condition, what):
