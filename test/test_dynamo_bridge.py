@@ -257,10 +257,10 @@ def test_a_fallback_inside_a_kernel_is_found_by_a_second_run(monkeypatch):
   # dispatch mode: the node's second run changes the counter again. Without
   # the dispatch mode's check, a look-ahead on placeholders would run such
   # a kernel on them: this look-ahead is on the arguments alone.
-  from torch_xla_patches import dynamo_bridge
+  from torch_xla_patches import dynamo_bridge, fallback_probe
   monkeypatch.setattr(dynamo_bridge, '_look_ahead_on_placeholders',
                       lambda *args: None)
-  monkeypatch.setattr(dynamo_bridge._OpsOfThisThread,
+  monkeypatch.setattr(fallback_probe.OpsOfThisThread,
                       '__torch_dispatch__',
                       lambda self, func, types, args=(), kwargs=None: func(
                           *args, **(kwargs or {})))

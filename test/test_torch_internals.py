@@ -22,8 +22,10 @@ PACKAGE_DIR = os.path.dirname(torch_xla_patches.__file__)
 # See [Note: Private torch APIs].
 # donation.py carries the bridge's own uses (functionalization's replace and
 # commit, AOTAutograd's tracing context) into the rendered pull request, where
-# torch_internals.py does not go.
-NOT_SCANNED = ('torch_internals.py', 'dynamo_bridge.py', 'donation.py')
+# torch_internals.py does not go; so does fallback_probe.py (the look-ahead's
+# dispatch mode, dispatch-key and pytree calls, moved out of the bridge).
+NOT_SCANNED = ('torch_internals.py', 'dynamo_bridge.py', 'donation.py',
+               'fallback_probe.py')
 # (module file, use as private_torch_uses names it) -> why it cannot go
 # through torch_internals.
 _COMPILE_LOCK_REASON = (

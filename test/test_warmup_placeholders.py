@@ -11,7 +11,7 @@ import torch_xla
 
 import torch_xla_patches
 from torch_xla_patches import (CallSpec, TensorSpec, compile_window,
-                               dynamo_bridge, io_utils, warmup)
+                               dynamo_bridge, fallback_probe, io_utils, warmup)
 
 pytestmark = pytest.mark.usefixtures('patched_bridge')
 
@@ -162,25 +162,25 @@ def test_what_reads_values_is_known_before_a_look_ahead_runs():
   x = torch.zeros(4, 3, device=device)
   mask = torch.zeros(4, dtype=torch.bool, device=device)
   rows = torch.zeros(2, dtype=torch.long, device=device)
-  assert dynamo_bridge._reads_values(aten.index.Tensor, (x, [mask]), {})
-  assert not dynamo_bridge._reads_values(aten.index.Tensor, (x, [rows]), {})
-  assert dynamo_bridge._reads_values(aten.nonzero.default, (x,), {})
-  assert not dynamo_bridge._reads_values(aten.mm.default, (x, x.T), {})
+  assert fallback_probe._reads_values(aten.index.Tensor, (x, [mask]), {})
+  assert not fallback_probe._reads_values(aten.index.Tensor, (x, [rows]), {})
+  assert fallback_probe._reads_values(aten.nonzero.default, (x,), {})
+  assert not fallback_probe._reads_values(aten.mm.default, (x, x.T), {})
 
   def traced(fn):
     return torch.fx.symbolic_trace(fn).graph
 
-  assert dynamo_bridge._graph_reads_values(
+  assert fallback_probe.graph_reads_values(
       traced(lambda t: torch.nonzero(t) + 1))
-  assert dynamo_bridge._graph_reads_values(traced(lambda t: t.sum().item()))
-  assert not dynamo_bridge._graph_reads_values(traced(lambda t: t.mm(t.T)))
+  assert fallback_probe.graph_reads_values(traced(lambda t: t.sum().item()))
+  assert not fallback_probe.graph_reads_values(traced(lambda t: t.mm(t.T)))
 
 
 def test_a_probe_of_a_backend_free_op_compiles_nothing(monkeypatch):
   # A look-ahead on placeholders asks whether a backend-free kernel falls
   # back (see _falls_back); the answer costs no XLA program.
   import torch_xla.debug.metrics as met
-  monkeypatch.setattr(dynamo_bridge, '_falls_back_by_op', {})
+  monkeypatch.setattr(fallback_probe, '_falls_back_by_op', {})
   x = torch.zeros(4, 3, device=torch_xla.device())
 
   def compiles():
@@ -189,8 +189,8 @@ def test_a_probe_of_a_backend_free_op_compiles_nothing(monkeypatch):
 
   before = compiles()
   aten = torch.ops.aten
-  assert dynamo_bridge._falls_back(aten.logcumsumexp.default, (x, 0), {})
-  assert not dynamo_bridge._falls_back(aten._safe_softmax.default, (x, -1), {})
+  assert fallback_probe._falls_back(aten.logcumsumexp.default, (x, 0), {})
+  assert not fallback_probe._falls_back(aten._safe_softmax.default, (x, -1), {})
   assert compiles() == before
 
 

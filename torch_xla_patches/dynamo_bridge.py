@@ -5,7 +5,8 @@
 building the XLA inputs of a call. The bridge's other jobs have modules of
 their own: tracing.py (input matching, output plans, entries), donation.py,
 execution.py (the execution lock, runs, syncs), program_run.py (one run of a
-compiled program), compile_window.py, signature_cache.py, bound_program.py
+compiled program), fallback_probe.py (the look-ahead's fallback and
+value-reading ops), compile_window.py, signature_cache.py, bound_program.py
 and counters.py. The Notes state what each part guarantees.
 """
 import logging
@@ -20,8 +21,6 @@ import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 from torch.fx.passes.utils.fuser_utils import topo_sort
-from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
-                                          _push_mode)
 
 # Defined by torch_xla's bridge; its callers (torch_xla/stablehlo.py, tests)
 # find them in the bridge module, so this one offers them too.
@@ -30,8 +29,8 @@ from torch_xla._dynamo.dynamo_bridge import (NoneRemover,
                                              get_fallback_ops)
 
 from torch_xla._dynamo import config as upstream_config
-from torch_xla_patches import (compile_window, io_utils, placeholder_trace,
-                               tracing)
+from torch_xla_patches import (compile_window, fallback_probe, io_utils,
+                               placeholder_trace, tracing)
 from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         COUNTER_CPU_FALLBACK_EAGER,
                                         COUNTER_CPU_FALLBACK_PARTITION,
@@ -283,225 +282,10 @@ def extract_internal(xla_model: torch.fx.GraphModule):
   return optimized_mod
 
 
-# [Note: Fallback ops of this thread]
-# torch_xla counts the ops that fall back to the CPU in counters of the
-# process, which every thread bumps. A node of a graph is unsupported when
-# its look-ahead run bumped one itself, which another thread's fallback (a
-# server thread's `.item()` while a new graph is looked at) must not pass
-# for: the graph would be split around a node that never fell back. So a
-# node is unsupported when a fallback counter changed during its run and
-#   * the counter names an op the node ran on this thread (a dispatch mode
-#     is the thread's own, and names the ops that reach torch_xla's
-#     kernels), or
-#   * the counter changes again when the node runs a second time: a
-#     fallback the mode does not name (an op one of torch_xla's kernels runs
-#     inside another: `logcumsumexp` falls back as `_logcumsumexp`,
-#     `median.dim` as `median.dim_values`).
-# A change of neither kind is another thread's.
-#
-# The mode goes on this thread's dispatch stack and nowhere else.
-# `TorchDispatchMode.__enter__` also sets `_is_in_torch_dispatch_mode`, a
-# flag of the whole process that each mode saves on entry and puts back on
-# exit: two threads' look-aheads that overlap can put it back set, and
-# while it is set dynamo skips every frame it has no code for (runs it
-# eagerly), on every thread, for the rest of the process. Nothing in a
-# look-ahead runs dynamo, so nothing needs the flag.
-
-
-class _FallbackCounterWatch:
-  """Tells which fallback counters changed since the last look."""
-
-  def __init__(self):
-    self._seen = self._snapshot()
-
-  @staticmethod
-  def _snapshot() -> Dict[str, int]:
-    return {
-        name: metrics.counter_value(name)
-        for name in metrics.executed_fallback_ops()
-    }
-
-  def changed(self) -> Set[str]:
-    now = self._snapshot()
-    names = {
-        name for name, value in now.items() if self._seen.get(name) != value
-    }
-    self._seen = now
-    return names
-
-
-class _NeedsValues(Exception):
-  """A look-ahead on placeholders met an op that would read values (see
-  [Note: Look-ahead on placeholders])."""
-
-
-# Ops without an XLA kernel that read only their inputs' metadata (views
-# too).
-_METADATA_OPS = frozenset(
-    ('aten::new_zeros', 'aten::new_ones', 'aten::new_empty', 'aten::new_full',
-     'aten::zeros_like', 'aten::ones_like', 'aten::empty_like',
-     'aten::full_like', 'aten::lift_fresh', 'aten::detach', 'aten::alias'))
-
-# Ops whose XLA kernels read the values of boolean or byte index tensors
-# (they turn a mask into indices on the host).
-_MASK_INDEXING_OPS = frozenset(
-    ('aten::index', 'aten::_unsafe_index', 'aten::index_put',
-     'aten::index_put_', 'aten::_index_put_impl_'))
-
-
-def _is_mask(value: Any) -> bool:
-  return isinstance(value,
-                    torch.Tensor) and value.dtype in (torch.bool, torch.uint8)
-
-
-def _op_reads_values(name: str, overload_name: str) -> Optional[bool]:
-  """What the aten op's name alone tells of _reads_values: True or False,
-  or None when it depends on the arguments."""
-  if name.split('::')[-1] in placeholder_trace.VALUE_READING_OPS:
-    return True
-  if name in _MASK_INDEXING_OPS or name in ('aten::_to_copy', 'aten::to',
-                                            'aten::copy_'):
-    return None
-  if name in _METADATA_OPS:
-    return False
-  overload = f'{name}.{overload_name}' if overload_name else name
-  has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
-  if has_kernel(overload, 'XLA') or has_kernel(overload,
-                                               'CompositeImplicitAutograd'):
-    return False
-  return None
-
-
-def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
-                                                               Any]) -> bool:
-  """Whether the aten op `func` on these arguments may run an XLA program on
-  its inputs or read their buffers: a CPU fallback (no XLA kernel: one that
-  only a backend-free kernel implements may still reach a fallback inside
-  it), a kernel that reads values or falls back for some arguments
-  (indexing with a mask), or a copy off the device."""
-  schema = getattr(func, '_schema', None)
-  if schema is None:
-    return False
-  name = schema.name
-  known = _op_reads_values(name, schema.overload_name)
-  if known is not None:
-    return known
-  if name in _MASK_INDEXING_OPS:
-    return any(
-        _is_mask(a) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
-  if name in ('aten::_to_copy', 'aten::to', 'aten::copy_'):
-    device = kwargs.get('device')
-    return device is not None and torch.device(device).type != 'xla'
-  if getattr(func, 'is_view', False):
-    return False
-  leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-  if not any(isinstance(a, torch.Tensor) for a in leaves):
-    return False
-  overload = (f'{name}.{schema.overload_name}'
-              if schema.overload_name else name)
-  if not torch._C._dispatch_has_kernel_for_dispatch_key(
-      overload, 'CompositeExplicitAutograd'):
-    return True
-  return _falls_back(func, args, kwargs)
-
-
-def _graph_reads_values(graph: torch.fx.Graph) -> bool:
-  """Whether a node of `graph` is known from its target alone to read
-  values (see [Note: Look-ahead on placeholders]): one named in
-  placeholder_trace.VALUE_READING_OPS (`torch.nonzero`, `.item()`), a copy to
-  the CPU, or an aten op _reads_values says so for any arguments. Ops it cannot
-  tell are left to the look-ahead's dispatch-time check."""
-  if placeholder_trace.graph_reads_values(graph):
-    return True
-  for node in graph.nodes:
-    if node.op != 'call_function':
-      continue
-    target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-      target = target.default
-    if (isinstance(target, torch._ops.OpOverload) and
-        _op_reads_values(target._schema.name, target._schema.overload_name)):
-      return True
-  return False
-
-
-# Backend-free ops without an XLA kernel, by overload: whether a probe on
-# small tensors reached a CPU fallback (see _falls_back).
-_falls_back_by_op: Dict[Any, bool] = {}
-
-
-def _falls_back(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
-  """Whether the backend-free kernel of `func` reaches a CPU fallback on
-  XLA tensors (logcumsumexp's does, _safe_softmax's does not): found once
-  per op by running it on zeros of the same dtypes and ranks, every size 1,
-  moved to the device from the host (device data: a fallback on them
-  copies them back and compiles nothing, and nothing of the probe is
-  synced, so the probe compiles no program); a probe that raises, or sees
-  another thread's fallback meanwhile, says it does."""
-  known = _falls_back_by_op.get(func)
-  if known is not None:
-    return known
-
-  def small(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.device.type == 'xla':
-      return torch.zeros((1,) * value.dim(), dtype=value.dtype).to(value.device)
-    return value
-
-  watch = _FallbackCounterWatch()
-  try:
-    probe_args, probe_kwargs = torch.utils._pytree.tree_map(
-        small, (tuple(args), dict(kwargs)))
-    func(*probe_args, **probe_kwargs)
-    falls_back = bool(watch.changed())
-  except Exception as error:  # pylint: disable=broad-except
-    if 'Unexpected execution' in str(error):
-      # The caller refuses execution (torch_xla.compile(full_graph=True)):
-      # the probe tells nothing of the op.
-      return True
-    falls_back = True
-  _falls_back_by_op[func] = falls_back
-  return falls_back
-
-
-class _OpsOfThisThread(TorchDispatchMode):
-  """Names each aten op this thread runs while the mode is on (see [Note:
-  Fallback ops of this thread]); with `placeholders`, raises _NeedsValues
-  before an op that would read values (see [Note: Look-ahead on
-  placeholders])."""
-
-  def __init__(self, placeholders: bool = False):
-    super().__init__()
-    self.names: Set[str] = set()
-    self.placeholders = placeholders
-
-  def __enter__(self):
-    _push_mode(self)
-    return self
-
-  def __exit__(self, exc_type, exc_value, traceback):
-    _pop_mode()
-
-  def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-    schema = getattr(func, '_schema', None)
-    if schema is not None:
-      self.names.add(schema.name)
-    if self.placeholders and _reads_values(func, args, kwargs or {}):
-      raise _NeedsValues(schema.name)
-    return func(*args, **(kwargs or {}))
-
-
-def _all_on_xla(value: Any) -> bool:
-  if isinstance(value, torch.Tensor):
-    return value.device.type == 'xla'
-  if isinstance(value, (list, tuple)):
-    return all(_all_on_xla(v) for v in value)
-  return True
-
-
 class UnsupportedNodesCollector(torch.fx.Interpreter):
   """Runs the graph node by node, noting nodes XLA cannot compile: CPU
-  fallback ops of this thread (see [Note: Fallback ops of this thread]) and
-  nodes with non-XLA tensor inputs or outputs.
+  fallback ops of this thread (see [Note: Fallback ops of this thread] in
+  fallback_probe.py) and nodes with non-XLA tensor inputs or outputs.
 
   It compares fallback counters between nodes without clearing them, so
   user-visible counters survive the first call.
@@ -512,8 +296,8 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
     self._unsupported_nodes: List[torch.fx.Node] = []
     # The arguments the look-ahead ran on (see _look_ahead).
     self.arguments: Sequence[Any] = ()
-    self._watch = _FallbackCounterWatch()
-    self._ops = _OpsOfThisThread(placeholders)
+    self._watch = fallback_probe.FallbackCounterWatch()
+    self._ops = fallback_probe.OpsOfThisThread(placeholders)
     # Whether a node updated an input in place (the `copy_` updates at the
     # graph's end are not run; see [Note: Input updates in a partitioned
     # graph]).
@@ -542,7 +326,7 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
       # See [Note: Input updates in a partitioned graph]: this run only
       # looks, and an update of a CPU input could not be undone.
       args, _ = self.fetch_args_kwargs_from_env(n)
-      if not _all_on_xla(args):
+      if not fallback_probe.all_on_xla(args):
         self._unsupported_nodes.append(n)
       return args[0]
     self._ops.names.clear()
@@ -551,8 +335,8 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
       return result
     changed = self._watch.changed()
     args, kwargs = self.fetch_args_kwargs_from_env(n)
-    if (not _all_on_xla(result) or
-        not _all_on_xla(list(itertools.chain(args, kwargs.values()))) or
+    if (not fallback_probe.all_on_xla(result) or not fallback_probe.all_on_xla(
+        list(itertools.chain(args, kwargs.values()))) or
         self._fell_back(n, args, kwargs, changed)):
       self._unsupported_nodes.append(n)
     return result
@@ -561,7 +345,7 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
                  changed: Set[str]) -> bool:
     """Whether `n`, just run on XLA inputs while the fallback counters
     `changed` changed, fell back to the CPU on this thread (see [Note:
-    Fallback ops of this thread])."""
+    Fallback ops of this thread] in fallback_probe.py)."""
     if not changed or changed & self._ops.names:
       return bool(changed)
     # Another thread's, or one run inside a kernel: a second run tells.
@@ -763,11 +547,13 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   # buffers, which crashes the process on a placeholder (see [Note:
   # Placeholder tensors] in io_utils.py). So on placeholders:
   #   * a graph with a node known from its target alone to read values
-  #     (_graph_reads_values) is looked at on zeros from the start;
+  #     (fallback_probe.graph_reads_values) is looked at on zeros from the
+  #     start;
   #   * otherwise the look-ahead's dispatch mode, on this thread alone,
-  #     stops it before any op that may read values runs (_reads_values: no
-  #     XLA kernel, unless it takes no tensor, is a view, or its
-  #     backend-free kernel reached no fallback in a probe on size-1 zeros;
+  #     stops it before any op that may read values runs (_reads_values in
+  #     fallback_probe.py: no XLA kernel, unless it takes no tensor, is a
+  #     view, or its backend-free kernel reached no fallback in a probe on
+  #     size-1 zeros;
   #     a kernel of torch_xla that reads values or falls back for some
   #     arguments: placeholder_trace.VALUE_READING_OPS, indexing with a mask),
   #     and it starts again on zeros.
@@ -779,14 +565,14 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   # call: [Note: Syncs wait for placeholder graphs] in io_utils.py). What
   # this rests on: every torch_xla kernel that runs a program or reads a
   # buffer for some arguments is in placeholder_trace.VALUE_READING_OPS or
-  # _MASK_INDEXING_OPS.
-  if placeholders and _graph_reads_values(xla_model.graph):
+  # _MASK_INDEXING_OPS (fallback_probe.py).
+  if placeholders and fallback_probe.graph_reads_values(xla_model.graph):
     return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
   collector = UnsupportedNodesCollector(xla_model, placeholders)
   try:
     with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
       collector.run(*xla_args)
-  except _NeedsValues:
+  except fallback_probe.NeedsValues:
     return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
   collector.arguments = xla_args
   return collector
@@ -815,7 +601,7 @@ def _look_ahead_on_placeholders(xla_model: torch.fx.GraphModule,
   before, as it does for the partition's example inputs."""
   if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
       tracing.graph_constants(xla_model) or
-      _graph_reads_values(xla_model.graph)):
+      fallback_probe.graph_reads_values(xla_model.graph)):
     return None
   tensors = [a for a in xla_args if isinstance(a, torch.Tensor)]
   if any(t.device.type != 'xla' for t in tensors):
@@ -832,7 +618,7 @@ def _look_ahead_on_placeholders(xla_model: torch.fx.GraphModule,
         for a in xla_args
     ])
     return bool(collector.get_unsupported_nodes())
-  except Exception:  # _NeedsValues among them
+  except Exception:  # fallback_probe.NeedsValues among them
     # The look-ahead on the arguments tells, and raises what it raises.
     return None
   finally:

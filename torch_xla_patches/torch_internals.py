@@ -8,8 +8,8 @@ internals around them that torch documents nowhere (the Python dispatcher's
 per-op kernels `py_kernels` and `py_impl`, dynamo's config flags, FX's
 ShapeEnv). The exceptions are dynamo_bridge.py, which keeps upstream's own
 uses, spelled as upstream spells them, so the upstream diff stays small, and
-donation.py, whose uses go into the rendered pull request with it (this
-module does not). test_torch_internals.py fails on a `torch._` use in any other module.
+donation.py and fallback_probe.py, whose uses go into the rendered pull
+request with them (this module does not). test_torch_internals.py fails on a `torch._` use in any other module.
 
 A function that needs a torch module imports it when called and, if torch
 does not have the name, raises `TorchInternalsError` naming it and the torch
