@@ -94,11 +94,11 @@ def test_names_replaced_removed_and_kept(rendered):
       for c in result.conflicts
       if c.endswith(' is removed')
   }
-  # UnsupportedNodesCollector's new parameter has a default: upstream's
-  # one-argument calls still hold.
+  # The new parameters of UnsupportedNodesCollector and
+  # extract_compiled_graph_helper have defaults: upstream's calls still hold.
   assert changed == {
       'extract_graph_helper', 'partition_fx_graph_for_cpu_fallback',
-      'UnsupportedNodesCollector'
+      'UnsupportedNodesCollector', 'extract_compiled_graph_helper'
   }
   assert removed == {
       '_get_input_arg_device', '_split_xla_args_tensor_sym_constant', 'Deduper',
