@@ -99,10 +99,11 @@ def compiled_writer(mode):
   return cpu, step
 
 
-def decode_steps(cpu, step, rows, count, seed, as_view=False):
+def decode_steps(cpu, step, rows, count, seed, as_view=False, after_step=None):
   """`count` steps on a cache of `rows` rows, on the device and on the CPU;
   the outputs of both. `as_view`: the step input is a view of a larger
-  tensor (as generate() passes `input_ids[:, -1:]`)."""
+  tensor (as generate() passes `input_ids[:, -1:]`). `after_step(index)`
+  runs after each step on the device."""
   generator = torch.Generator().manual_seed(seed)
   cache_cpu = torch.zeros(rows, WIDTH)
   cache = torch.zeros(rows, WIDTH, device=torch_xla.device())
@@ -115,6 +116,8 @@ def decode_steps(cpu, step, rows, count, seed, as_view=False):
     with torch.no_grad():
       got.append(step(step_input, xla(slots), cache).cpu())
     want.append(eager_step(cpu, x, slots, cache_cpu))
+    if after_step is not None:
+      after_step(len(got) - 1)
   return got, want, cache.cpu(), cache_cpu
 
 
@@ -248,22 +251,14 @@ def test_a_sync_after_a_trace_on_aliases_leaves_the_arguments_right(
   monkeypatch.setattr(config, 'trace_on_buffer_aliases', True)
   cpu, step = compiled_writer(mode)
   decode_steps(cpu, step, 16, 1, seed=0)
-  generator = torch.Generator().manual_seed(5)
-  cache_cpu = torch.zeros(32, WIDTH)
-  cache = torch.zeros(32, WIDTH, device=torch_xla.device())
-  for index in range(4):
-    x = torch.randn(SLOTS, WIDTH, generator=generator)
-    slots = torch.randperm(32, generator=generator)[:SLOTS]
-    with torch.no_grad():
-      got = step(xla(x), xla(slots), cache).cpu()
-    torch.testing.assert_close(got,
-                               eager_step(cpu, x, slots, cache_cpu),
-                               rtol=1e-4,
-                               atol=1e-4)
+
+  def sync_after_the_first(index):
     if index == 0:
       gc.collect()
       torch_xla.sync()
-  torch.testing.assert_close(cache.cpu(), cache_cpu, rtol=1e-4, atol=1e-4)
+
+  check_steps(decode_steps(cpu, step, 32, 4, 5,
+                           after_step=sync_after_the_first))
 
 
 def test_a_sync_of_every_tensor_waits_for_traces_on_placeholders(

@@ -67,6 +67,19 @@ def test_revert_restores_every_config_flag_apply_set(tmp_path):
   assert config.flag_values() == before
 
 
+def test_the_switch_interval_is_set_by_apply_and_put_back_by_revert(
+    monkeypatch):
+  python_s = sys.getswitchinterval()
+  monkeypatch.setattr(config, 'switch_interval', 0.0005)
+  torch_xla_patches.apply()
+  assert sys.getswitchinterval() == pytest.approx(0.0005)
+  torch_xla_patches.revert()
+  assert sys.getswitchinterval() == python_s
+  monkeypatch.setattr(config, 'switch_interval', 0.0)
+  torch_xla_patches.apply()
+  assert sys.getswitchinterval() == python_s
+
+
 def test_a_refused_apply_changes_nothing(monkeypatch, tmp_path):
   monkeypatch.setattr(torch_xla, '__version__', '2.7.0')
   before = config.flag_values()

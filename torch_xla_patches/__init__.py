@@ -113,6 +113,10 @@ def apply(*,
       if value is not None:
         _registry.set(config, name, value)
     _install_log_handler()
+    if config.switch_interval:
+      _registry.on_revert(
+          functools.partial(sys.setswitchinterval, sys.getswitchinterval()))
+      sys.setswitchinterval(config.switch_interval)
     for module in (upstream_bridge, core_bridge):
       _registry.set(module, 'extract_compiled_graph',
                     dynamo_bridge.extract_compiled_graph)

@@ -417,6 +417,18 @@ trace_on_buffer_aliases = _flag('trace_on_buffer_aliases',
 # and a trace for a sync, before it raises PlaceholderWaitTimeout instead
 # (see [Note: Syncs wait for placeholder graphs] in io_utils.py); 0: a sync
 # with a trace in flight raises at once.
+# The interpreter's thread switch interval apply() sets (sys.setswitchinterval,
+# seconds; revert() puts Python's back), or 0 to leave it. A thread that
+# lets the GIL go for each torch_xla call (a decode step makes many) waits
+# for it up to this long each time another thread runs Python (a capture,
+# a trace): Python's 5 ms make a step of 1 ms take tens while another
+# thread makes a new shape (docs/threads.md has the measurements).
+switch_interval = _flag('switch_interval',
+                        'XLA_PATCHES_SWITCH_INTERVAL',
+                        0.0,
+                        SECONDS,
+                        changes_program=False)
+
 placeholder_wait_timeout = _flag('placeholder_wait_timeout',
                                  'XLA_PATCHES_PLACEHOLDER_WAIT_TIMEOUT',
                                  300.0,
