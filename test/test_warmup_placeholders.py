@@ -166,6 +166,19 @@ def test_what_reads_values_is_known_before_a_look_ahead_runs():
   assert not fallback_probe._reads_values(aten.index.Tensor, (x, [rows]), {})
   assert fallback_probe._reads_values(aten.nonzero.default, (x,), {})
   assert not fallback_probe._reads_values(aten.mm.default, (x, x.T), {})
+  # Kernels of torch_xla that fall back to the CPU for some arguments.
+  bias = torch.zeros(3, device=device)
+  assert fallback_probe._reads_values(aten.addmm.default, (bias, x, x.T[:, :3]),
+                                      {'beta': 2})
+  assert not fallback_probe._reads_values(aten.addmm.default,
+                                          (bias, x, x.T[:, :3]), {})
+  assert fallback_probe._reads_values(aten.as_strided.default,
+                                      (x, (2, 3), (6, 2)), {})
+  assert not fallback_probe._reads_values(aten.as_strided.default,
+                                          (x, (2, 3), (3, 1)), {})
+  image = torch.zeros(1, 1, 5, 5, device=device)
+  assert fallback_probe._reads_values(
+      aten._adaptive_avg_pool2d_backward.default, (image, image), {})
 
   def traced(fn):
     return torch.fx.symbolic_trace(fn).graph

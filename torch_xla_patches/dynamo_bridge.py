@@ -564,8 +564,10 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   # their programs run as ever (a device sync waits for the placeholder
   # call: [Note: Syncs wait for placeholder graphs] in io_utils.py). What
   # this rests on: every torch_xla kernel that runs a program or reads a
-  # buffer for some arguments is in placeholder_trace.VALUE_READING_OPS or
-  # _MASK_INDEXING_OPS (fallback_probe.py).
+  # buffer for some arguments (each `call_fallback_fn` of torch_xla 2.9's
+  # aten_xla_type.cpp, its values-reading kernels) is in
+  # placeholder_trace.VALUE_READING_OPS, _MASK_INDEXING_OPS or
+  # _FALLS_BACK_FOR_SOME_ARGUMENTS (fallback_probe.py).
   if placeholders and fallback_probe.graph_reads_values(xla_model.graph):
     return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
   collector = UnsupportedNodesCollector(xla_model, placeholders)

@@ -3,7 +3,7 @@ the CPU on this thread (see [Note: Fallback ops of this thread]), and which
 would read values, which a look-ahead on placeholders must not run (see
 [Note: Look-ahead on placeholders] in dynamo_bridge.py).
 """
-from typing import Any, Dict, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Optional, Sequence, Set
 
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
@@ -79,6 +79,68 @@ _MASK_INDEXING_OPS = frozenset(
      'aten::index_put_', 'aten::_index_put_impl_'))
 
 
+def _scalar_arg(args: Sequence[Any], kwargs: Dict[str, Any], position: int,
+                name: str, default: Any) -> Any:
+  return kwargs.get(name, args[position] if len(args) > position else default)
+
+
+def _not_strided_or_pinned(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+  layout = kwargs.get('layout')
+  return ((layout is not None and layout != torch.strided) or
+          bool(kwargs.get('pin_memory')))
+
+
+def _long_integral(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+  tensors = [a for a in args if isinstance(a, torch.Tensor)]
+  return any(
+      not t.is_floating_point() and not t.is_complex() and t.element_size() == 8
+      for t in tensors)
+
+
+def _scaled(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+  return (_scalar_arg(args, kwargs, 3, 'beta', 1) != 1 or
+          _scalar_arg(args, kwargs, 4, 'alpha', 1) != 1)
+
+
+def _reduces_other_than_add(args: Sequence[Any], kwargs: Dict[str,
+                                                              Any]) -> bool:
+  return _scalar_arg(args, kwargs, 4, 'reduce', None) not in (None, 'add')
+
+
+def _unsupported_strides(stride: Sequence[Any]) -> bool:
+  """Whether torch_xla's as_strided kernels fall back for `stride`: unless
+  it is empty or its smallest stride is 1."""
+  return bool(stride) and min(int(s) for s in stride) != 1
+
+
+# Ops whose XLA kernels fall back to the CPU for some arguments, by name:
+# whether these arguments are such (torch_xla 2.9's aten_xla_type.cpp; the
+# kernels that fall back whatever the arguments are in
+# placeholder_trace.VALUE_READING_OPS).
+_FALLS_BACK_FOR_SOME_ARGUMENTS: Dict[str, Callable[
+    [Sequence[Any], Dict[str, Any]], bool]] = {
+        'aten::addmm':
+            _scaled,
+        'aten::scatter':
+            _reduces_other_than_add,
+        'aten::full':
+            _not_strided_or_pinned,
+        'aten::linspace':
+            _not_strided_or_pinned,
+        'aten::dot':
+            _long_integral,
+        'aten::as_strided':
+            lambda args, kwargs: _unsupported_strides(
+                _scalar_arg(args, kwargs, 2, 'stride', ())),
+        'aten::as_strided_':
+            lambda args, kwargs: _unsupported_strides(
+                _scalar_arg(args, kwargs, 2, 'stride', ())),
+        'aten::as_strided_scatter':
+            lambda args, kwargs: _unsupported_strides(
+                _scalar_arg(args, kwargs, 3, 'stride', ())),
+    }
+
+
 def _is_mask(value: Any) -> bool:
   return isinstance(value,
                     torch.Tensor) and value.dtype in (torch.bool, torch.uint8)
@@ -89,8 +151,8 @@ def _op_reads_values(name: str, overload_name: str) -> Optional[bool]:
   or None when it depends on the arguments."""
   if name.split('::')[-1] in placeholder_trace.VALUE_READING_OPS:
     return True
-  if name in _MASK_INDEXING_OPS or name in ('aten::_to_copy', 'aten::to',
-                                            'aten::copy_'):
+  if (name in _MASK_INDEXING_OPS or name in _FALLS_BACK_FOR_SOME_ARGUMENTS or
+      name in ('aten::_to_copy', 'aten::to', 'aten::copy_')):
     return None
   if name in _METADATA_OPS:
     return False
@@ -119,6 +181,8 @@ def _reads_values(func: Any, args: Sequence[Any], kwargs: Dict[str,
   if name in _MASK_INDEXING_OPS:
     return any(
         _is_mask(a) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+  if name in _FALLS_BACK_FOR_SOME_ARGUMENTS:
+    return _FALLS_BACK_FOR_SOME_ARGUMENTS[name](args, kwargs)
   if name in ('aten::_to_copy', 'aten::to', 'aten::copy_'):
     device = kwargs.get('device')
     return device is not None and torch.device(device).type != 'xla'

@@ -124,7 +124,12 @@ VALUE_READING_OPS = frozenset({
     'rrelu_with_noise', '_linalg_eigh', 'linalg_inv_ex', '_adaptive_avg_pool2d',
     '_adaptive_avg_pool3d', 'adaptive_max_pool2d', 'max_pool2d_with_indices',
     'max_pool3d_with_indices', '_embedding_bag_forward_only', 'cumprod', 'norm',
-    'scatter_reduce'
+    'scatter_reduce', '_adaptive_avg_pool2d_backward',
+    '_adaptive_avg_pool3d_backward', 'adaptive_max_pool2d_backward',
+    'avg_pool2d_backward', 'avg_pool3d_backward',
+    'max_pool2d_with_indices_backward', 'max_pool3d_with_indices_backward',
+    'upsample_bilinear2d_backward', 'upsample_nearest2d_backward',
+    '_embedding_bag_backward'
 })
 
 
