@@ -583,24 +583,30 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
 def _look_ahead_on_placeholders(xla_model: torch.fx.GraphModule,
                                 xla_args: Sequence[Any]) -> Optional[bool]:
   """Whether the graph has a node XLA does not compile, told by a look-ahead
-  on a placeholder for each tensor argument, with no lock held; None where
-  it cannot tell so, and the look-ahead on the arguments, under
-  execution_lock, must.
+  on a placeholder for each tensor argument; None where it cannot tell so,
+  and the look-ahead on the arguments must.
 
-  [Note: A hand-over's look-ahead before the lock]
+  [Note: A hand-over's look-ahead on placeholders]
   A call's hand-over of a new graph runs the graph node by node to find
-  fallback ops (_look_ahead), tens of milliseconds of Python that calls of
-  compiled programs would wait for under execution_lock. Run on
-  placeholders, it reads and writes nothing another thread holds, so it
-  runs before the lock, in flight as a trace on placeholders (a sync of the
-  device waits for it: [Note: Syncs wait for placeholder graphs] in
-  io_utils.py). It tells only where the answer cannot differ from the
-  arguments': a graph with no constant tensors (whose in-place updates the
-  look-ahead on the arguments sets back), no node known to read values and
-  no op its dispatch mode stops (each would be run on zeros: see [Note:
-  Look-ahead on placeholders]), every tensor on the XLA device, no SPMD.
-  Where it finds a fallback op, the look-ahead on the arguments runs as
-  before, as it does for the partition's example inputs."""
+  fallback ops (_look_ahead), which calls of compiled programs wait for:
+  the hand-over holds execution_lock (its caller, execution.extracted_once
+  or the serializable backend's first call, takes it around
+  extract_compiled_graph). On the arguments the look-ahead sets their
+  pending IR back afterwards; on placeholders it reads and writes nothing
+  of theirs and is done sooner (figures in docs/threads.md). It runs in
+  flight as a trace on placeholders (a sync of the device waits for it:
+  [Note: Syncs wait for placeholder graphs] in io_utils.py), and tells only
+  where the answer cannot differ from the arguments': a graph with no
+  constant tensors (whose in-place updates the look-ahead on the arguments
+  sets back), no node known to read values and no op its dispatch mode
+  stops (each would be run on zeros: see [Note: Look-ahead on
+  placeholders]), every tensor on the XLA device, no SPMD. Where it finds a
+  fallback op, the look-ahead on the arguments runs as before, as it does
+  for the partition's example inputs. It cannot move off the lock with the
+  rest of the hand-over as it is: the arguments include the module's
+  tensors, which another thread's donating run may be taking over (tried:
+  a restart of a module holding its cache then failed a guard check,
+  "Check failed: data()->tensor_data")."""
   if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
       tracing.graph_constants(xla_model) or
       fallback_probe.graph_reads_values(xla_model.graph)):
@@ -693,7 +699,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule,
                                   xla_args,
                                   xla_only: bool = False):
   """The hand-over of a graph, under execution_lock; `xla_only`: a
-  look-ahead before the lock found no node XLA does not compile (see
+  look-ahead on placeholders found no node XLA does not compile (see
   _look_ahead_on_placeholders), so none runs here."""
   # Sync functional wrappers so each argument's value reference is current.
   for arg in xla_args:
