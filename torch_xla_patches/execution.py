@@ -42,7 +42,9 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # program's included), so that calls of compiled programs go on meanwhile.
 # What still holds it: a trace of the arguments themselves (arguments that
 # share data, SPMD; with its restore), a graph's hand-over (its look-ahead
-# run), a capture and a guard check (see [Note: What reads the model's
+# run, unless it ran on placeholders before the lock: see [Note: A
+# hand-over's look-ahead before the lock] in dynamo_bridge.py), a capture
+# and a guard check (see [Note: What reads the model's
 # tensors] in serialization.py).
 # Lock order, first taken first:
 #   1. a graph's first-call lock (extracted_once, and the serializable
@@ -170,9 +172,11 @@ def extracted_once(model: Any, extract: Callable[[Any, Sequence[Any]], Any],
   """The callable of an AOTAutograd graph `model`, in place of torch's
   xla_backend_helper's: its first call hands the graph to the bridge,
   `extract(model, args)`, which gives the bridge's callable; every call then
-  calls that. The hand-over is made once, by one thread, under
-  execution_lock (see [Note: Threads]): a call that comes meanwhile waits
-  for it, never makes it again. It compiles nothing itself (the first
+  calls that. The hand-over is made once, by one thread, under the graph's
+  first-call lock; `extract` takes execution_lock for what reads the
+  arguments (the bridge's extract_compiled_graph does; see [Note:
+  Threads]): a call that comes meanwhile waits for it, never makes it
+  again. It compiles nothing itself (the first
   signature compiles on the compile pool, see [Note: Compiles outside the
   lock] in signature_cache.py), so every call, the first included, waits
   for a compile in the bridge's callable, with no lock held."""
@@ -184,8 +188,10 @@ def extracted_once(model: Any, extract: Callable[[Any, Sequence[Any]], Any],
     if extracted is None:
       with first_call:
         if extracted is None:
-          with execution_lock:
-            extracted = extract(model, args)
+          # The bridge's hand-over takes execution_lock itself, after
+          # what it does before it (the sync of the call's own inputs, the
+          # look-ahead on placeholders).
+          extracted = extract(model, args)
           # The bridge keeps what it needs of the graph.
           model = None
     return extracted(*args)

@@ -183,7 +183,9 @@ class XlaSerializableCallable(SerializableCallable):
     # with no lock held, as any call of a signature compiling does (see
     # [Note: Compiles outside the lock]).
     if self._compiled is None:
-      with self._first_call, execution.execution_lock:
+      # The bridge's hand-over takes execution_lock itself, after what it
+      # does before it (see execution.extracted_once).
+      with self._first_call:
         if self._compiled is None:
           self._compile_first(list(args) + self._lifted)
     with execution.execution_lock:
@@ -276,9 +278,14 @@ class XlaSerializableCallable(SerializableCallable):
       self._extract_and_queue(args)
 
   def _extract_and_queue(self, args: List[Any]) -> None:
-    self._compiled = dynamo_bridge.extract_compiled_graph(
-        self._graph_module, args)
-    cache = getattr(self._compiled, 'signature_cache', None)
+    compiled = dynamo_bridge.extract_compiled_graph(self._graph_module, args)
+    with execution.execution_lock:
+      self._queue_recorded(compiled, args)
+      # Last: a call that finds it set finds the cache set too.
+      self._compiled = compiled
+
+  def _queue_recorded(self, compiled: Any, args: List[Any]) -> None:
+    cache = getattr(compiled, 'signature_cache', None)
     if cache is None:
       # The bridge partitioned the graph around CPU fallback ops: each XLA
       # part has its own cache; signatures are then compiled on demand.
