@@ -15,7 +15,7 @@ import warnings
 
 import itertools
 import os
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Set
+from typing import (Any, Dict, Hashable, List, Optional, Sequence, Set, Tuple)
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -374,21 +374,20 @@ class InputCollector(torch.fx.Interpreter):
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   torch_xla._XLAC._xla_increment_counter('DynamoExtractCompiledGraph', 1)
-  # The call's own inputs (not parameters, which other threads read) are
-  # synced before the lock, as a compiled graph's call's are: those of a new
-  # shape compile a sync program of their own (see [Note: Threads] in
-  # execution.py).
-  synced = execution.sync_before_the_lock([
-      arg for arg in xla_args if isinstance(arg, torch.Tensor) and
-      arg.device.type == 'xla' and not isinstance(arg, torch.nn.Parameter)
-  ])
   # Make CPU tensor constructors in the graph create XLA tensors.
   XLAConstructorMoverPass()(xla_model.graph)
-  with torch_xla.experimental.eager_mode_context(False):
-    xla_only = _look_ahead_on_placeholders(xla_model, xla_args) is False
+  # What reads the arguments holds the lock; the look-ahead on placeholders
+  # made from their metadata does not (see [Note: A hand-over's look-ahead
+  # on placeholders]).
+  with execution.execution_lock:
+    specs = _look_ahead_specs(xla_model, xla_args)
+  xla_only = False
+  if specs is not None:
+    with torch_xla.experimental.eager_mode_context(False):
+      xla_only = _look_ahead_on_placeholders(xla_model, xla_args,
+                                             specs) is False
   with execution.execution_lock, torch_xla.experimental.eager_mode_context(
       False):
-    execution.note_synced_inputs(synced)
     return extract_compiled_graph_helper(xla_model, xla_args, xla_only)
 
 
@@ -580,40 +579,58 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   return collector
 
 
-def _look_ahead_on_placeholders(xla_model: torch.fx.GraphModule,
-                                xla_args: Sequence[Any]) -> Optional[bool]:
-  """Whether the graph has a node XLA does not compile, told by a look-ahead
-  on a placeholder for each tensor argument; None where it cannot tell so,
-  and the look-ahead on the arguments must.
-
-  [Note: A hand-over's look-ahead on placeholders]
-  A call's hand-over of a new graph runs the graph node by node to find
-  fallback ops (_look_ahead), which calls of compiled programs wait for:
-  the hand-over holds execution_lock (its caller, execution.extracted_once
-  or the serializable backend's first call, takes it around
-  extract_compiled_graph). On the arguments the look-ahead sets their
-  pending IR back afterwards; on placeholders it reads and writes nothing
-  of theirs and is done sooner (figures in docs/threads.md). It runs in
-  flight as a trace on placeholders (a sync of the device waits for it:
-  [Note: Syncs wait for placeholder graphs] in io_utils.py), and tells only
-  where the answer cannot differ from the arguments': a graph with no
-  constant tensors (whose in-place updates the look-ahead on the arguments
-  sets back), no node known to read values and no op its dispatch mode
-  stops (each would be run on zeros: see [Note: Look-ahead on
-  placeholders]), every tensor on the XLA device, no SPMD. Where it finds a
-  fallback op, the look-ahead on the arguments runs as before, as it does
-  for the partition's example inputs. It cannot move off the lock with the
-  rest of the hand-over as it is: the arguments include the module's
-  tensors, which another thread's donating run may be taking over (tried:
-  a restart of a module holding its cache then failed a guard check,
-  "Check failed: data()->tensor_data")."""
+def _look_ahead_specs(
+    xla_model: torch.fx.GraphModule, xla_args: Sequence[Any]
+) -> Optional[List[Optional[Tuple[torch.Size, torch.dtype]]]]:
+  """The shape and dtype of each tensor argument (None for the others), for
+  a look-ahead on placeholders; None where one cannot tell what the
+  arguments would (see [Note: A hand-over's look-ahead on placeholders]).
+  Under execution_lock: it reads the arguments' metadata."""
   if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
       tracing.graph_constants(xla_model) or
       fallback_probe.graph_reads_values(xla_model.graph)):
     return None
-  tensors = [a for a in xla_args if isinstance(a, torch.Tensor)]
-  if any(t.device.type != 'xla' for t in tensors):
-    return None
+  specs = []
+  for arg in xla_args:
+    if not isinstance(arg, torch.Tensor):
+      specs.append(None)
+    elif arg.device.type != 'xla':
+      return None
+    else:
+      specs.append((arg.shape, arg.dtype))
+  return specs
+
+
+def _look_ahead_on_placeholders(
+    xla_model: torch.fx.GraphModule, xla_args: Sequence[Any],
+    specs: Sequence[Optional[Tuple[torch.Size,
+                                   torch.dtype]]]) -> Optional[bool]:
+  """Whether the graph has a node XLA does not compile, told by a look-ahead
+  on a placeholder of each tensor argument's shape and dtype (`specs`, from
+  _look_ahead_specs), with no lock held and no tensor argument read; None
+  where it cannot tell so, and the look-ahead on the arguments must.
+
+  [Note: A hand-over's look-ahead on placeholders]
+  A call's hand-over of a new graph runs the graph node by node to find
+  fallback ops (_look_ahead): on the arguments, under execution_lock, which
+  calls of compiled programs then wait for. Run on placeholders of the
+  arguments' shapes and dtypes, it reads and writes nothing another thread
+  holds, so it runs with the lock let go: the metadata is read under the
+  lock (_look_ahead_specs: a module's tensors are arguments too, and
+  another thread's donating run may be taking one over, when even its size
+  cannot be read), the look-ahead runs after, in flight as a trace on
+  placeholders (a sync of the device waits for it: [Note: Syncs wait for
+  placeholder graphs] in io_utils.py), and the rest of the hand-over takes
+  the lock again. The graph's first-call lock (execution.extracted_once, the
+  serializable backend's) keeps other calls of the graph out meanwhile; it
+  comes before execution_lock in the lock order ([Note: Threads] in
+  execution.py). It tells only where the answer cannot differ from the
+  arguments': a graph with no constant tensors (whose in-place updates the
+  look-ahead on the arguments sets back), no node known to read values and
+  no op its dispatch mode stops (each would be run on zeros: see [Note:
+  Look-ahead on placeholders]), every tensor on the XLA device, no SPMD.
+  Where it finds a fallback op, the look-ahead on the arguments runs as
+  before, as it does for the partition's example inputs."""
   try:
     io_utils.placeholder_traces.begin()
   except io_utils.PlaceholderWaitTimeout:
@@ -621,9 +638,8 @@ def _look_ahead_on_placeholders(xla_model: torch.fx.GraphModule,
   try:
     collector = UnsupportedNodesCollector(xla_model, placeholders=True)
     collector.run(*[
-        io_utils.placeholder(a.shape, a.dtype) if isinstance(a, torch.Tensor
-                                                            ) else a
-        for a in xla_args
+        arg if spec is None else io_utils.placeholder(*spec)
+        for arg, spec in zip(xla_args, specs)
     ])
     return bool(collector.get_unsupported_nodes())
   except Exception:  # fallback_probe.NeedsValues among them

@@ -41,10 +41,9 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # inputs are synced before the lock (sync_before_the_lock, a bound
 # program's included), so that calls of compiled programs go on meanwhile.
 # What still holds it: a trace of the arguments themselves (arguments that
-# share data, SPMD; with its restore), a graph's hand-over (its look-ahead
-# run, unless it ran on placeholders before the lock: see [Note: A
-# hand-over's look-ahead before the lock] in dynamo_bridge.py), a capture
-# and a guard check (see [Note: What reads the model's
+# share data, SPMD; with its restore), a graph's hand-over (but its
+# look-ahead on placeholders: see [Note: A hand-over's look-ahead on
+# placeholders] in dynamo_bridge.py), a capture and a guard check (see [Note: What reads the model's
 # tensors] in serialization.py).
 # Lock order, first taken first:
 #   1. a graph's first-call lock (extracted_once, and the serializable
@@ -188,9 +187,8 @@ def extracted_once(model: Any, extract: Callable[[Any, Sequence[Any]], Any],
     if extracted is None:
       with first_call:
         if extracted is None:
-          # The bridge's hand-over takes execution_lock itself, after
-          # what it does before it (the sync of the call's own inputs, the
-          # look-ahead on placeholders).
+          # The bridge's hand-over takes execution_lock itself, for all
+          # but its look-ahead on placeholders.
           extracted = extract(model, args)
           # The bridge keeps what it needs of the graph.
           model = None

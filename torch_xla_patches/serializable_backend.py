@@ -183,8 +183,8 @@ class XlaSerializableCallable(SerializableCallable):
     # with no lock held, as any call of a signature compiling does (see
     # [Note: Compiles outside the lock]).
     if self._compiled is None:
-      # The bridge's hand-over takes execution_lock itself, after what it
-      # does before it (see execution.extracted_once).
+      # The bridge's hand-over takes execution_lock itself, for all but its
+      # look-ahead on placeholders (see execution.extracted_once).
       with self._first_call:
         if self._compiled is None:
           self._compile_first(list(args) + self._lifted)
