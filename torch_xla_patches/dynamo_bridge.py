@@ -380,7 +380,7 @@ def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   # made from their metadata does not (see [Note: A hand-over's look-ahead
   # on placeholders]).
   with execution.execution_lock:
-    specs = _look_ahead_specs(xla_model, xla_args)
+    specs = fallback_probe.look_ahead_specs(xla_model, xla_args)
   xla_only = False
   if specs is not None:
     with torch_xla.experimental.eager_mode_context(False):
@@ -579,36 +579,15 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   return collector
 
 
-def _look_ahead_specs(
-    xla_model: torch.fx.GraphModule, xla_args: Sequence[Any]
-) -> Optional[List[Optional[Tuple[torch.Size, torch.dtype]]]]:
-  """The shape and dtype of each tensor argument (None for the others), for
-  a look-ahead on placeholders; None where one cannot tell what the
-  arguments would (see [Note: A hand-over's look-ahead on placeholders]).
-  Under execution_lock: it reads the arguments' metadata."""
-  if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
-      tracing.graph_constants(xla_model) or
-      fallback_probe.graph_reads_values(xla_model.graph)):
-    return None
-  specs = []
-  for arg in xla_args:
-    if not isinstance(arg, torch.Tensor):
-      specs.append(None)
-    elif arg.device.type != 'xla':
-      return None
-    else:
-      specs.append((arg.shape, arg.dtype))
-  return specs
-
-
 def _look_ahead_on_placeholders(
     xla_model: torch.fx.GraphModule, xla_args: Sequence[Any],
     specs: Sequence[Optional[Tuple[torch.Size,
                                    torch.dtype]]]) -> Optional[bool]:
   """Whether the graph has a node XLA does not compile, told by a look-ahead
   on a placeholder of each tensor argument's shape and dtype (`specs`, from
-  _look_ahead_specs), with no lock held and no tensor argument read; None
-  where it cannot tell so, and the look-ahead on the arguments must.
+  fallback_probe.look_ahead_specs), with no lock held and no tensor
+  argument read; None where it cannot tell so, and the look-ahead on the
+  arguments must.
 
   [Note: A hand-over's look-ahead on placeholders]
   A call's hand-over of a new graph runs the graph node by node to find
@@ -616,10 +595,10 @@ def _look_ahead_on_placeholders(
   calls of compiled programs then wait for. Run on placeholders of the
   arguments' shapes and dtypes, it reads and writes nothing another thread
   holds, so it runs with the lock let go: the metadata is read under the
-  lock (_look_ahead_specs: a module's tensors are arguments too, and
-  another thread's donating run may be taking one over, when even its size
-  cannot be read), the look-ahead runs after, in flight as a trace on
-  placeholders (a sync of the device waits for it: [Note: Syncs wait for
+  lock (fallback_probe.look_ahead_specs: a module's tensors are arguments
+  too, and another thread's donating run may be taking one over, when even
+  its size cannot be read), the look-ahead runs after, in flight as a trace
+  on placeholders (a sync of the device waits for it: [Note: Syncs wait for
   placeholder graphs] in io_utils.py), and the rest of the hand-over takes
   the lock again. The graph's first-call lock (execution.extracted_once, the
   serializable backend's) keeps other calls of the graph out meanwhile; it
@@ -628,9 +607,12 @@ def _look_ahead_on_placeholders(
   arguments': a graph with no constant tensors (whose in-place updates the
   look-ahead on the arguments sets back), no node known to read values and
   no op its dispatch mode stops (each would be run on zeros: see [Note:
-  Look-ahead on placeholders]), every tensor on the XLA device, no SPMD.
-  Where it finds a fallback op, the look-ahead on the arguments runs as
-  before, as it does for the partition's example inputs."""
+  Look-ahead on placeholders]), no op that draws random numbers (each moves
+  the device generator's seed on, which the look-ahead on the arguments
+  does under the lock, in the order the calls come), every tensor on the
+  XLA device, no SPMD. Where it finds a fallback op, the look-ahead on the
+  arguments runs as before, as it does for the partition's example
+  inputs."""
   try:
     io_utils.placeholder_traces.begin()
   except io_utils.PlaceholderWaitTimeout:

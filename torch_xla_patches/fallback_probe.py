@@ -3,15 +3,16 @@ the CPU on this thread (see [Note: Fallback ops of this thread]), and which
 would read values, which a look-ahead on placeholders must not run (see
 [Note: Look-ahead on placeholders] in dynamo_bridge.py).
 """
-from typing import Any, Callable, Dict, Optional, Sequence, Set
+from typing import (Any, Callable, Dict, List, Optional, Sequence, Set, Tuple)
 
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
                                           _push_mode)
 
 import torch_xla.debug.metrics as metrics
+import torch_xla.runtime as xr
 
-from torch_xla_patches import placeholder_trace
+from torch_xla_patches import io_utils, placeholder_trace, tracing
 
 # [Note: Fallback ops of this thread]
 # torch_xla counts the ops that fall back to the CPU in counters of the
@@ -290,3 +291,41 @@ def all_on_xla(value: Any) -> bool:
   if isinstance(value, (list, tuple)):
     return all(all_on_xla(v) for v in value)
   return True
+
+
+def look_ahead_specs(
+    xla_model: torch.fx.GraphModule, xla_args: Sequence[Any]
+) -> Optional[List[Optional[Tuple[torch.Size, torch.dtype]]]]:
+  """The shape and dtype of each tensor argument (None for the others), for
+  a look-ahead on placeholders; None where one cannot tell what the
+  arguments would (see [Note: A hand-over's look-ahead on placeholders] in
+  dynamo_bridge.py).
+  Under execution_lock: it reads the arguments' metadata."""
+  if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
+      tracing.graph_constants(xla_model) or
+      graph_reads_values(xla_model.graph) or
+      graph_draws_random_numbers(xla_model.graph)):
+    return None
+  specs = []
+  for arg in xla_args:
+    if not isinstance(arg, torch.Tensor):
+      specs.append(None)
+    elif arg.device.type != 'xla':
+      return None
+    else:
+      specs.append((arg.shape, arg.dtype))
+  return specs
+
+
+def graph_draws_random_numbers(graph: torch.fx.Graph) -> bool:
+  """Whether a node of `graph` is an aten op that draws from the device's
+  random number generator (`torch.Tag.nondeterministic_seeded`): each one
+  a look-ahead runs moves the generator's seed on."""
+  for node in graph.nodes:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+      target = target.default
+    if (isinstance(target, torch._ops.OpOverload) and
+        torch.Tag.nondeterministic_seeded in target.tags):
+      return True
+  return False
