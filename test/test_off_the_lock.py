@@ -11,8 +11,8 @@ import torch
 import torch_xla
 
 import torch_xla_patches
-from torch_xla_patches import (TensorSpec, compile_window, config, io_utils,
-                               placeholder_trace, tracing)
+from torch_xla_patches import (TensorSpec, compile_window, config, donation,
+                               io_utils, placeholder_trace, tracing)
 
 WIDTH = 8
 SLOTS = 4
@@ -391,3 +391,51 @@ def test_revert_takes_the_sync_guard_away(patched_bridge):
   finally:
     torch_xla_patches.apply()
   assert io_utils.placeholder_traces.guarded()
+
+
+def test_a_donor_mark_held_by_two_traces_stays_until_both_let_go():
+  """Two traces that donate one buffer at once each hold its donor mark
+  until their compile is done (see [Note: Donor marks held by traces] in
+  donation.py): a trace that cleared it under the other changed the other's
+  program, which no entry then named."""
+  marks = donation.DonorMarks()
+  buffer = xla(torch.zeros(4))
+  torch_xla.sync()
+  alias = torch_xla._XLAC._get_tensors_xla_device_data_node([buffer])[1][0]
+  first, second = marks.hold(buffer), marks.hold(alias)
+  assert first == second and marks.held() == 1
+  marks.clear_unheld(buffer)
+  marks.let_go(buffer, first)
+  assert torch_xla._XLAC._get_buffer_donation(buffer)
+  marks.let_go(alias, second)
+  assert not torch_xla._XLAC._get_buffer_donation(buffer)
+  assert marks.held() == 0
+  # A mark no trace holds is the caller's to clear.
+  torch_xla._XLAC._set_buffer_donation(buffer, True)
+  marks.clear_unheld(buffer)
+  assert not torch_xla._XLAC._get_buffer_donation(buffer)
+
+
+def test_donor_aliasing_stays_on_until_its_last_user_leaves():
+  """torch_xla's alias-with-buffer-donor flag is process-wide: one compile
+  that ends must leave it on for a compile still in flight on another
+  thread (alias_with_buffer_donor_config puts back what it found)."""
+  aliasing = torch_xla._XLAC._xla_get_enable_alias_with_buffer_donor_config
+  assert not aliasing()
+  inside, leave = threading.Event(), threading.Event()
+  seen = []
+
+  def other_compile():
+    with donation.donor_aliasing():
+      inside.set()
+      leave.wait(FAILURE_BOUND_S)
+      seen.append(aliasing())
+
+  thread = threading.Thread(target=other_compile)
+  with donation.donor_aliasing():
+    thread.start()
+    assert inside.wait(FAILURE_BOUND_S)
+  assert aliasing()
+  leave.set()
+  thread.join(FAILURE_BOUND_S)
+  assert seen == [True] and not aliasing()

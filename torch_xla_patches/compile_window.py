@@ -12,10 +12,10 @@ from typing import (Any, Callable, Deque, Iterator, List, Optional, Sequence,
 
 import torch
 import torch_xla
-from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from torch_xla_patches import config
-from torch_xla_patches.donation import (count_epilogue_updates, sets_own_donors,
+from torch_xla_patches.donation import (count_epilogue_updates, donor_aliasing,
+                                        sets_own_donors,
                                         sync_alone_noting_reads)
 from torch_xla_patches.signature import ArgLayout
 from torch_xla_patches.tracing import (ArgumentsRestore, CompiledGraphEntry,
@@ -36,7 +36,7 @@ def compile_traced(graph_tensors: List[torch.Tensor]) -> None:
   the lock] in signature_cache.py). The list is emptied, so the pending IR
   of the graph goes with the compile, whether or not it raises."""
   try:
-    with alias_with_buffer_donor_config():
+    with donor_aliasing():
       compile_graph(graph_tensors)
   finally:
     # A raised exception keeps this frame in its traceback: let the tensors,
@@ -148,7 +148,7 @@ class CompileWindow:
   @contextlib.contextmanager
   def opened(self) -> Iterator['CompileWindow']:
     try:
-      with alias_with_buffer_donor_config():
+      with donor_aliasing():
         try:
           yield self
         finally:

@@ -3,7 +3,10 @@ each argument's buffer (the data ledger), readying a donating run and taking
 its results over. See [Note: Donating in-place updates].
 """
 import collections
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import contextlib
+import threading
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
+                    Tuple)
 
 import torch
 import torch_xla
@@ -228,6 +231,125 @@ def clear_donor_mark(tensor: torch.Tensor) -> None:
   XlaSetBufferDonation)."""
   if torch_xla._XLAC._get_buffer_donation(tensor):
     torch_xla._XLAC._set_buffer_donation(tensor, False)
+
+
+# [Note: Donor marks held by traces]
+# A donor mark sits on a buffer's device data, which every alias of the
+# buffer shares (see [Note: Stand-ins that hold buffers] in
+# placeholder_trace.py), and the graph hash and the program of every trace
+# and compile that reads the buffer include it while it is there. Two traces
+# that donate one buffer at once (a call's trace on aliases, with no lock,
+# and a replay's trace of the arguments, under execution_lock) each need the
+# mark from their trace until their compile is done: one clearing it while
+# the other compiled changed the other's program, whose hash was then no
+# entry's (its first run found no program and traced again). So the bridge
+# marks a buffer it shares for a trace only through DonorMarks, which counts
+# the holds on each buffer: the first hold sets the mark, the last one let
+# go clears it. Invariants:
+#   * a hold names its buffer by the handle it had when taken, and is let go
+#     with a tensor that still refers to that device data (the alias that
+#     took it, or the argument the trace's restore gave it back);
+#   * a mark that no trace holds (a user's, one a graph set itself) is left
+#     to the caller, who clears it where the bridge did before
+#     (clear_unheld);
+#   * torch_xla's alias-with-buffer-donor flag, which makes the marks part
+#     of a hash and a program, is process-wide too: the bridge turns it on
+#     only through donor_aliasing, which keeps it on while any trace or
+#     compile of the bridge is inside.
+class DonorMarks:
+  """The donor marks the bridge's traces hold on shared buffers (see [Note:
+  Donor marks held by traces])."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    # Buffer handle -> the number of holds on its mark.
+    self._holds: Dict[int, int] = {}
+
+  def hold(self, tensor: torch.Tensor) -> Optional[int]:
+    """Marks `tensor`'s buffer as a donor for one more trace; returns the
+    handle to let go of it with (None for a placeholder, whose data no one
+    shares)."""
+    with self._lock:
+      handle = _buffer_handle(tensor)
+      if handle is not None:
+        self._holds[handle] = self._holds.get(handle, 0) + 1
+      torch_xla._XLAC._set_buffer_donation(tensor, True)
+      return handle
+
+  def let_go(self, tensor: torch.Tensor, handle: Optional[int]) -> None:
+    """Lets go of one hold taken as `handle`; clears the mark through
+    `tensor` when it was the last."""
+    with self._lock:
+      if handle is None:
+        clear_donor_mark(tensor)
+        return
+      left = self._holds[handle] - 1
+      if left:
+        self._holds[handle] = left
+        return
+      del self._holds[handle]
+      clear_donor_mark(tensor)
+
+  def clear_unheld(self, tensor: torch.Tensor) -> None:
+    """Clears a mark on `tensor`'s data that no trace holds."""
+    with self._lock:
+      if not torch_xla._XLAC._get_buffer_donation(tensor):
+        return
+      handle = _buffer_handle(tensor)
+      if handle is None or handle not in self._holds:
+        torch_xla._XLAC._set_buffer_donation(tensor, False)
+
+  def held(self) -> int:
+    """How many buffers some trace holds a mark on."""
+    with self._lock:
+      return len(self._holds)
+
+
+class _DonorAliasing:
+  """torch_xla's alias-with-buffer-donor flag, on while any of the bridge's
+  traces or compiles needs it (see [Note: Donor marks held by traces]).
+  torch_xla's alias_with_buffer_donor_config puts back the value it found,
+  which is process-wide: a compile on one thread that ended put it off
+  under another thread's compile, whose program then took no donation."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._users = 0
+    self._before = False
+
+  @contextlib.contextmanager
+  def __call__(self) -> Iterator[None]:
+    with self._lock:
+      if not self._users:
+        self._before = (
+            torch_xla._XLAC._xla_get_enable_alias_with_buffer_donor_config())
+        torch_xla._XLAC._xla_set_enable_alias_with_buffer_donor_config(True)
+      self._users += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._users -= 1
+        if not self._users:
+          torch_xla._XLAC._xla_set_enable_alias_with_buffer_donor_config(
+              self._before)
+
+
+# Buffer-donor aliasing on for a trace's hash or a compile, whatever other
+# threads' traces and compiles begin or end meanwhile.
+donor_aliasing = _DonorAliasing()
+
+
+def _buffer_handle(tensor: torch.Tensor) -> Optional[int]:
+  """The handle of `tensor`'s buffer; None for a tensor with no buffer (a
+  placeholder)."""
+  try:
+    return torch_xla._XLAC._get_tensors_handle([tensor])[0]
+  except RuntimeError:
+    return None
+
+
+donor_marks = DonorMarks()
 
 
 def _sync_pending_readers() -> None:

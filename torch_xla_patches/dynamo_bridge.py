@@ -36,7 +36,7 @@ from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         COUNTER_CPU_FALLBACK_PARTITION,
                                         COUNTER_EVICTED_RETRACE,
                                         increment_counter)
-from torch_xla_patches.donation import (count_epilogue_updates,
+from torch_xla_patches.donation import (count_epilogue_updates, donor_aliasing,
                                         prepare_donating_run, sets_own_donors,
                                         sync_alone_noting_reads)
 from torch_xla_patches import execution
@@ -53,7 +53,8 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, GraphInputMatcher,
 import torch_xla
 import torch_xla.debug.metrics as metrics
 import torch_xla.runtime as xr
-from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
+# Upstream's test_dynamo_aliasing takes it from the bridge module.
+from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config  # pylint: disable=unused-import
 
 logger = logging.getLogger('torch_xla_patches.bridge')
 
@@ -86,7 +87,7 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
       return traced
     traced = tracing.trace_donating(xla_model, args, layout, restore, traced)
     if traced.graph_tensors:
-      with alias_with_buffer_donor_config():
+      with donor_aliasing():
         compile_window.compile_graph(traced.graph_tensors)
   return tracing.TracedGraph(entry=traced.entry, graph_tensors=[])
 
@@ -177,7 +178,7 @@ def _trace_and_compile_in_flight(
       # Emptied, whether or not the compile raises.
       compile_window.compile_traced(graph_tensors)
   finally:
-    placeholder_trace.clear_donor_marks(args, entry.donated_positions)
+    aliases.let_go_marks()
   return entry
 
 

@@ -12,8 +12,8 @@ import torch_xla.runtime as xr
 
 from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
-from torch_xla_patches.donation import (clear_donor_mark, data_id_of,
-                                        donatable_positions, is_functional,
+from torch_xla_patches.donation import (data_id_of, donatable_positions,
+                                        donor_marks, is_functional,
                                         replace_functional_value,
                                         sets_own_donors)
 from torch_xla_patches.execution import move_data_note, sync_alone
@@ -104,9 +104,10 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
 #     tracing.py); an alias the matching did not find is refused
 #     (_check_matched), as a constant would be this call's buffer;
 #   * a donated argument's alias carries the donor mark onto the argument's
-#     buffer: it is cleared when the compile is done or failed, before the
-#     trace leaves flight, so no sync of every live tensor (which waits for
-#     traces in flight) sees it. A donated argument is the call's own (a
+#     buffer, held (see [Note: Donor marks held by traces] in donation.py)
+#     until the compile is done or failed, before the trace leaves flight,
+#     so no sync of every live tensor (which waits for traces in flight)
+#     sees it. A donated argument is the call's own (a
 #     request's cache): a program that donates a buffer other threads read
 #     meanwhile is a race of the caller's, as with any donating run;
 #   * config.trace_on_buffer_aliases off: placeholders for every argument.
@@ -246,6 +247,11 @@ class BufferAliases:
   restores: Dict[int, _Restore]
   # The device data handles of the aliased buffers.
   handles: Set[int]
+  # position -> the donating trace's stand-in there and the handle of its
+  # donor mark (see [Note: Donor marks held by traces] in donation.py).
+  marks: Dict[int,
+              Tuple[torch.Tensor,
+                    Optional[int]]] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def of(cls, args: Sequence[Any], positions: Sequence[int]) -> 'BufferAliases':
@@ -299,12 +305,25 @@ class BufferAliases:
         replaced[position] = aliases[1 if donating else 0]
     return StandIns(args=replaced, placeholders=tuple(placeholders))
 
+  def mark_donor(self, position: int, stand_in: torch.Tensor) -> None:
+    """Marks the buffer of `stand_in`, the donating trace's at `position`,
+    as a donor until let_go_marks (an alias's is the argument's)."""
+    self.marks[position] = (stand_in, donor_marks.hold(stand_in))
+
+  def let_go_marks(self, positions: Optional[Sequence[int]] = None) -> None:
+    """Lets go of the donor marks at `positions` (all by default), once the
+    compile is done or has failed."""
+    for position in list(self.marks if positions is None else positions):
+      if position in self.marks:
+        donor_marks.let_go(*self.marks.pop(position))
+
   def drop(self) -> None:
-    """Leaves each alias a placeholder, before the trace leaves flight: an
-    alias a trace wrote to holds IR that updates the argument's buffer,
-    which torch_xla names by the alias, so a sync of every live tensor that
-    found it would hand that buffer over to it (measured: the argument's
-    next use failed, its buffer deleted)."""
+    """Lets go of the donor marks, then leaves each alias a placeholder,
+    before the trace leaves flight: an alias a trace wrote to holds IR that
+    updates the argument's buffer, which torch_xla names by the alias, so a
+    sync of every live tensor that found it would hand that buffer over to
+    it (measured: the argument's next use failed, its buffer deleted)."""
+    self.let_go_marks()
     for aliases in self.by_position.values():
       for alias in aliases:
         torch_xla._XLAC._replace_xla_tensor(
@@ -333,14 +352,6 @@ class StandIns:
   # The positions holding a placeholder; every other tensor position holds
   # an alias of its argument's buffer.
   placeholders: Tuple[int, ...]
-
-
-def clear_donor_marks(args: Sequence[Any], donated: Sequence[int]) -> None:
-  """Clears the donor marks a trace on placeholders left on the buffers of
-  the arguments at `donated` (see [Note: Stand-ins that hold buffers]), once
-  the caller's compile of that trace is done or has failed."""
-  for position in donated:
-    clear_donor_mark(args[position])
 
 
 def _check_matched(traced: TracedGraph, aliases: BufferAliases) -> None:
@@ -385,7 +396,7 @@ def trace_on_placeholders(xla_model: torch.fx.GraphModule, args: Sequence[Any],
     stand_ins = aliases.stand_ins(args, positions, donating=True)
     try:
       for position in donated:
-        torch_xla._XLAC._set_buffer_donation(stand_ins.args[position], True)
+        aliases.mark_donor(position, stand_ins.args[position])
       traced = tracing.trace_graph(xla_model, stand_ins.args, layout,
                                    stand_ins.placeholders)
       del stand_ins
@@ -394,10 +405,10 @@ def trace_on_placeholders(xla_model: torch.fx.GraphModule, args: Sequence[Any],
       inputs = set(traced.entry.graph_input_matcher.arg_idxs)
       _check_matched(traced, aliases)
     except BaseException:
-      clear_donor_marks(args, donated)
+      aliases.let_go_marks(donated)
       raise
-    clear_donor_marks(
-        args, [position for position in donated if position not in inputs])
+    aliases.let_go_marks(
+        [position for position in donated if position not in inputs])
     donated = tuple(position for position in donated if position in inputs)
   else:
     _check_matched(traced, aliases)

@@ -15,12 +15,11 @@ from typing import (Any, Callable, Collection, Dict, Iterator, List, Optional,
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
-from torch_xla_patches.donation import (clear_donor_mark, data_id_of,
-                                        donatable_positions, maybe_read,
+from torch_xla_patches.donation import (data_id_of, donatable_positions,
+                                        donor_aliasing, donor_marks, maybe_read,
                                         note_data, read_since_set,
                                         sets_own_donors)
 from torch_xla_patches.execution import sync_alone
@@ -207,8 +206,9 @@ class CompiledGraphEntry:
 
 
 @contextlib.contextmanager
-def pending_ir_restored(tensors: Sequence[torch.Tensor],
-                        clear_donor_marks: bool = False) -> Iterator[None]:
+def pending_ir_restored(
+    tensors: Sequence[torch.Tensor],
+    clear_donor_marks: bool = False) -> Iterator['ArgumentsRestore']:
   """Runs a trace of the FX graph on real arguments and leaves them as they
   were, with no pending IR behind, whether the trace returns or raises (see
   ArgumentsRestore); yields the restore, for a trace to run again."""
@@ -255,10 +255,12 @@ class ArgumentsRestore:
   caller (see [Note: Donating in-place updates] in donation.py). The clones are
   let go by release(). What was read before the trace stays known as read (see
   maybe_read). The pending IR of the device is not cleared: other threads'
-  tensors may be pending (see [Note: Threads] in execution.py). With
-  `clear_donor_marks`, a donor mark on the data a tensor gets back is cleared:
-  the bridge's own, of a donating trace; a graph that marks its donors itself
-  keeps its marks, as upstream's bridge leaves them.
+  tensors may be pending (see [Note: Threads] in execution.py). The donor
+  marks of a donating trace (mark_donor) are let go, and, with
+  `clear_donor_marks`, a mark no other trace holds on the data a tensor gets
+  back is cleared (see [Note: Donor marks held by traces] in donation.py); a
+  graph that marks its donors itself keeps its marks, as upstream's bridge
+  leaves them.
 
   A placeholder (see [Note: Placeholder tensors] in io_utils.py) has no
   value to put back and no buffer a sync could read: it is not cloned, and
@@ -275,6 +277,10 @@ class ArgumentsRestore:
 
   # The placeholders among the tensors, which are neither cloned nor synced.
   placeholders: List[torch.Tensor] = dataclasses.field(default_factory=list)
+  # The donor marks the trace holds, with their handles (see [Note: Donor
+  # marks held by traces] in donation.py).
+  marks: List[Tuple[torch.Tensor,
+                    int]] = dataclasses.field(default_factory=list)
 
   @classmethod
   def of(cls, tensors: Sequence[torch.Tensor],
@@ -292,6 +298,10 @@ class ArgumentsRestore:
                had_ir=had_ir,
                clear_donor_marks=clear_donor_marks,
                placeholders=placeholders)
+
+  def mark_donor(self, tensor: torch.Tensor) -> None:
+    """Marks `tensor`'s buffer as a donor until the restore."""
+    self.marks.append((tensor, donor_marks.hold(tensor)))
 
   def __call__(self) -> None:
     """Copies each clone back into its tensor if the tensor has pending IR,
@@ -315,10 +325,15 @@ class ArgumentsRestore:
     with dynamo_compile_lock():
       for tensor, clone, _ in updated:
         tensor.copy_(clone)
-        # A donor mark of the bridge's trace would let the sync below hand
-        # the buffer over; a second trace marks again.
-        if self.clear_donor_marks:
-          clear_donor_mark(tensor)
+      # A donor mark of the bridge's trace would let the sync below hand
+      # the buffer over; a second trace marks again. Another trace's hold
+      # stays (see [Note: Donor marks held by traces] in donation.py).
+      for tensor, handle in self.marks:
+        donor_marks.let_go(tensor, handle)
+      del self.marks[:]
+      if self.clear_donor_marks:
+        for tensor, _, _ in updated:
+          donor_marks.clear_unheld(tensor)
       sync_alone([tensor for tensor, _, _ in updated])
     for tensor, _, was_read in updated:
       if was_read:
@@ -527,7 +542,7 @@ def trace_graph(
       print(f'Number of HLO inputs: {len(matcher.arg_idxs)}, outputs: '
             f'{output_plan.num_results}')
       print(torch_xla._XLAC._get_xla_tensors_text(graph_tensors))
-    with alias_with_buffer_donor_config():
+    with donor_aliasing():
       graph_hash = torch_xla._XLAC._get_graph_hash(graph_tensors)
   else:
     graph_tensors = []
@@ -559,7 +574,7 @@ def compilable_elsewhere(traced: TracedGraph) -> bool:
 
 
 def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
-                   layout: ArgLayout, restore: Callable[[], None],
+                   layout: ArgLayout, restore: 'ArgumentsRestore',
                    traced: TracedGraph) -> TracedGraph:
   """`traced`, a trace of `xla_model` on `args`, with donated buffers (see
   [Note: Donating in-place updates] in donation.py): where the graph updates
@@ -577,7 +592,7 @@ def trace_donating(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   del traced
   restore()
   for position in donated:
-    torch_xla._XLAC._set_buffer_donation(args[position], True)
+    restore.mark_donor(args[position])
   traced = trace_graph(xla_model, args, layout)
   # An argument the graph writes without reading it (module state set with
   # `copy_` from another argument) is no input of the program: there is no
