@@ -54,7 +54,7 @@ import torch_xla
 import torch_xla.debug.metrics as metrics
 import torch_xla.runtime as xr
 # Upstream's test_dynamo_aliasing takes it from the bridge module.
-from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config  # pylint: disable=unused-import
+from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
 logger = logging.getLogger('torch_xla_patches.bridge')
 
@@ -532,9 +532,11 @@ def _look_ahead(xla_model: torch.fx.GraphModule,
 
 
 def _look_ahead_on(xla_model: torch.fx.GraphModule,
-                   xla_args: Sequence[Any]) -> UnsupportedNodesCollector:
+                   xla_args: Sequence[Any],
+                   on_zeros: bool = True) -> UnsupportedNodesCollector:
   """_look_ahead's work (its retry on zeros calls this one, not whatever
-  stands in for _look_ahead)."""
+  stands in for _look_ahead). `on_zeros` False: where placeholders would be
+  replaced by zeros, fallback_probe.NeedsValues is raised instead."""
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
   # A sharded stand-in holds data (see [Note: Placeholder tensors] in
   # io_utils.py): it can be read.
@@ -569,12 +571,16 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   # placeholder_trace.VALUE_READING_OPS, _MASK_INDEXING_OPS or
   # _FALLS_BACK_FOR_SOME_ARGUMENTS (fallback_probe.py).
   if placeholders and fallback_probe.graph_reads_values(xla_model.graph):
+    if not on_zeros:
+      raise fallback_probe.NeedsValues()
     return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
   collector = UnsupportedNodesCollector(xla_model, placeholders)
   try:
     with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
       collector.run(*xla_args)
   except fallback_probe.NeedsValues:
+    if not on_zeros:
+      raise
     return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
   collector.arguments = xla_args
   return collector
@@ -618,12 +624,13 @@ def _look_ahead_on_placeholders(
     io_utils.placeholder_traces.begin()
   except io_utils.PlaceholderWaitTimeout:
     return None
+  collector = None
   try:
-    collector = UnsupportedNodesCollector(xla_model, placeholders=True)
-    collector.run(*[
+    collector = _look_ahead_on(xla_model, [
         arg if spec is None else io_utils.placeholder(*spec)
         for arg, spec in zip(xla_args, specs)
-    ])
+    ],
+                               on_zeros=False)
     return bool(collector.get_unsupported_nodes())
   except Exception:  # fallback_probe.NeedsValues among them
     # The look-ahead on the arguments tells, and raises what it raises.
@@ -657,8 +664,9 @@ def _zeros_for_placeholders(xla_args: Sequence[Any]) -> List[Any]:
 # therefore not split: it runs eagerly, node by node on lazy tensors, as
 # the model would without torch.compile (counted as
 # COUNTER_CPU_FALLBACK_EAGER; logged once per graph). Its answers are right;
-# it compiles one XLA program per call. A compile-only call (see [Note: Compile-only calls] in
-# execution.py) stops before running it: nothing of it is compiled ahead.
+# it compiles one XLA program per call. A compile-only call (see [Note:
+# Compile-only calls] in execution.py) stops before running it: nothing of
+# it is compiled ahead.
 
 
 def _check_args(xla_args: Sequence[Any]) -> None:
@@ -697,7 +705,8 @@ def _run_eagerly(xla_model: torch.fx.GraphModule):
 def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule,
                                   xla_args,
                                   xla_only: bool = False):
-  """The hand-over of a graph, under execution_lock; `xla_only`: a
+  """The hand-over of a graph, under execution_lock, once its CPU tensor
+  constructors make XLA tensors (extract_compiled_graph); `xla_only`: a
   look-ahead on placeholders found no node XLA does not compile (see
   _look_ahead_on_placeholders), so none runs here."""
   # Sync functional wrappers so each argument's value reference is current.
@@ -711,8 +720,6 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule,
       arg for arg in xla_args
       if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
   ])
-  # Make CPU tensor constructors in the graph create XLA tensors.
-  XLAConstructorMoverPass()(xla_model.graph)
   if xla_only:
     xla_model.xla_args = xla_args
     return extract_internal(xla_model)

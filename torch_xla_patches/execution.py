@@ -43,8 +43,8 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # What still holds it: a trace of the arguments themselves (arguments that
 # share data, SPMD; with its restore), a graph's hand-over (but its
 # look-ahead on placeholders: see [Note: A hand-over's look-ahead on
-# placeholders] in dynamo_bridge.py), a capture and a guard check (see [Note: What reads the model's
-# tensors] in serialization.py).
+# placeholders] in dynamo_bridge.py), a capture and a guard check (see
+# [Note: What reads the model's tensors] in serialization.py).
 # Lock order, first taken first:
 #   1. a graph's first-call lock (extracted_once, and the serializable
 #      backend's);

@@ -10,9 +10,8 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
                                           _push_mode)
 
 import torch_xla.debug.metrics as metrics
-import torch_xla.runtime as xr
 
-from torch_xla_patches import io_utils, placeholder_trace, tracing
+from torch_xla_patches import placeholder_trace
 
 # [Note: Fallback ops of this thread]
 # torch_xla counts the ops that fall back to the CPU in counters of the
@@ -301,8 +300,7 @@ def look_ahead_specs(
   arguments would (see [Note: A hand-over's look-ahead on placeholders] in
   dynamo_bridge.py).
   Under execution_lock: it reads the arguments' metadata."""
-  if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
-      tracing.graph_constants(xla_model) or
+  if (not placeholder_trace.graph_runs_on_placeholders(xla_model) or
       graph_reads_values(xla_model.graph) or
       graph_draws_random_numbers(xla_model.graph)):
     return None

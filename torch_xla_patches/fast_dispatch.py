@@ -381,8 +381,8 @@ class ServedCalls:
     return result
 
   def _refuse_changed_behind(self) -> None:
-    """Raises call_plan.BoundTensorChanged while a parameter or buffer the program
-    binds has another dtype, shape or strides behind the same object:
+    """Raises call_plan.BoundTensorChanged while a parameter or buffer the
+    program binds has another dtype, shape or strides behind the same object:
     dynamo's guards accepted the call, and the program would be handed a
     tensor it was not compiled for."""
     check = self._changed_behind

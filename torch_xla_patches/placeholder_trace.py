@@ -168,13 +168,21 @@ def graph_reads_values(graph: torch.fx.Graph) -> bool:
 DetachedTrace = Callable[[bool], Optional[CompiledGraphEntry]]
 
 
+def graph_runs_on_placeholders(xla_model: torch.fx.GraphModule) -> bool:
+  """What a trace and a look-ahead on placeholders both need of the graph
+  and the process: syncs that wait for them, no SPMD, no constant tensors
+  (a graph's own state, which a run on the arguments sets back) and no node
+  known to read values."""
+  return (io_utils.placeholder_traces.guarded() and not xr.is_spmd() and
+          not graph_constants(xla_model) and
+          not graph_reads_values(xla_model.graph))
+
+
 def can_trace_on_placeholders(xla_model: torch.fx.GraphModule,
                               args: Sequence[Any], layout: ArgLayout) -> bool:
   """Whether the signature of `args` may be traced on placeholders (see
   [Note: Traces on placeholders])."""
-  if (not io_utils.placeholder_traces.guarded() or xr.is_spmd() or
-      sets_own_donors(xla_model) or graph_constants(xla_model) or
-      graph_reads_values(xla_model.graph)):
+  if (not graph_runs_on_placeholders(xla_model) or sets_own_donors(xla_model)):
     return False
   tensors = [args[i] for i in layout.tensor_positions]
   if any(t.device.type != 'xla' for t in tensors):
