@@ -386,6 +386,41 @@ def test_an_inplace_update_of_an_input_gives_eager_results(
   assert seen[2] == seen[1]
 
 
+def test_the_pool_runs_as_many_compiles_at_once_as_the_flag_says_now(
+    monkeypatch):
+  """A pool started with 2 workers runs one compile at a time once the flag
+  says 1 (see [Note: The compile pool]): the next compile waits for the
+  running one, as in a pool started with 1."""
+  pool = compile_window.CompilePool()
+  release = threading.Event()
+  started = {name: threading.Event() for name in 'abcd'}
+
+  def job(name):
+
+    def held():
+      started[name].set()
+      assert release.wait(120)
+      return name
+
+    return held
+
+  monkeypatch.setattr(config, 'compile_workers', 2)
+  first = [pool.submit(job(name)) for name in 'ab']
+  # Both run at once: each waits for the release the other cannot give.
+  assert started['a'].wait(120) and started['b'].wait(120)
+  release.set()
+  assert [future.result(120) for future in first] == ['a', 'b']
+  release.clear()
+  monkeypatch.setattr(config, 'compile_workers', 1)
+  second = [pool.submit(job(name)) for name in 'cd']
+  assert started['c'].wait(120)
+  # A bound for a failure, not a wait that decides a pass: with two workers
+  # taking jobs, 'd' starts at once.
+  assert not started['d'].wait(0.5)
+  release.set()
+  assert [future.result(120) for future in second] == ['c', 'd']
+
+
 def test_the_default_is_half_the_cores_at_most_8(monkeypatch):
   monkeypatch.setattr(config.os, 'sched_getaffinity', lambda pid: range(2))
   assert config.default_compile_workers() == 1

@@ -164,7 +164,9 @@ class CompilePool:
   [Note: The compile pool]
   Background compiles (serve()'s buckets, precompile()'s signatures, see
   [Note: Compile-only calls] in execution.py) run here, config.compile_workers
-  of them at once (at least one). The workers are daemon threads, and what
+  of them at once (at least one), as the flag is when a worker takes a job:
+  a worker started while it was higher takes none while it is lower. The
+  workers are daemon threads, and what
   is still queued when the interpreter exits or revert() runs is cancelled
   (its future says so), so neither waits for compiles nobody will call; a
   compile already running is waited for by revert(), not at exit.
@@ -189,7 +191,8 @@ class CompilePool:
       else:
         self._queue.append((future, job))
       self._start_workers()
-      self._wakeup.notify()
+      # Every worker looks: one past the flag's count takes no job.
+      self._wakeup.notify_all()
     return future
 
   def promote(self, future: concurrent.futures.Future) -> None:
@@ -204,16 +207,18 @@ class CompilePool:
   def _start_workers(self) -> None:
     self._threads = [t for t in self._threads if t.is_alive()]
     while len(self._threads) < max(1, config.compile_workers):
+      index = len(self._threads)
       thread = threading.Thread(target=self._work,
-                                name=f'xla-compile-{len(self._threads)}',
+                                args=(index,),
+                                name=f'xla-compile-{index}',
                                 daemon=True)
       thread.start()
       self._threads.append(thread)
 
-  def _work(self) -> None:
+  def _work(self, index: int) -> None:
     while True:
       with self._lock:
-        while not self._queue:
+        while not self._queue or index >= max(1, config.compile_workers):
           self._wakeup.wait()
         future, job = self._queue.popleft()
         if not future.set_running_or_notify_cancel():
