@@ -241,6 +241,31 @@ def test_a_model_that_calls_the_donor_op_keeps_working(patched_bridge):
         rows=16)
 
 
+@pytest.mark.parametrize('on_placeholders', [True, False])
+def test_a_buffer_the_caller_marked_is_donated_by_a_graph_that_reads_it(
+    patched_bridge, monkeypatch, on_placeholders):
+  """A donor mark the caller set on an input the graph only reads stays
+  through the trace, whether it runs on placeholders or on the arguments:
+  the program takes the buffer over, as upstream's bridge compiles it
+  (upstream's test_dynamo_aliasing, rendered, failed on the arguments)."""
+  monkeypatch.setattr(config, 'trace_on_placeholders', on_placeholders)
+  # dynamo keeps the lambda's graph, and XLA the program, of the other
+  # parametrization: a size of its own.
+  torch._dynamo.reset()
+  device = torch_xla.device()
+  values = torch.randn(5, 5 if on_placeholders else 6)
+  marked = values.to(device)
+  # Read before the call, as upstream's test reads it.
+  torch.testing.assert_close(marked.cpu(), values)
+  assert torch_xla._XLAC._set_buffer_donation(marked, True)
+  compiled = torch.compile(lambda x: x + 1, backend='openxla')
+  result = compiled(marked)
+  torch_xla.sync()
+  torch.testing.assert_close(result.cpu(), values + 1)
+  assert 'Data Handle: Deleted' in torch_xla._XLAC._get_xla_tensor_debug_info(
+      marked)
+
+
 def test_donating_and_copying_programs_are_different_programs(
     patched_bridge, monkeypatch):
   hashes = []

@@ -404,16 +404,11 @@ def test_a_donor_mark_held_by_two_traces_stays_until_both_let_go():
   alias = torch_xla._XLAC._get_tensors_xla_device_data_node([buffer])[1][0]
   first, second = marks.hold(buffer), marks.hold(alias)
   assert first == second and marks.held() == 1
-  marks.clear_unheld(buffer)
   marks.let_go(buffer, first)
   assert torch_xla._XLAC._get_buffer_donation(buffer)
   marks.let_go(alias, second)
   assert not torch_xla._XLAC._get_buffer_donation(buffer)
   assert marks.held() == 0
-  # A mark no trace holds is the caller's to clear.
-  torch_xla._XLAC._set_buffer_donation(buffer, True)
-  marks.clear_unheld(buffer)
-  assert not torch_xla._XLAC._get_buffer_donation(buffer)
 
 
 def test_donor_aliasing_stays_on_until_its_last_user_leaves():

@@ -15,7 +15,6 @@ import torch_xla
 
 from torch_xla_patches import config
 from torch_xla_patches.donation import (count_epilogue_updates, donor_aliasing,
-                                        sets_own_donors,
                                         sync_alone_noting_reads)
 from torch_xla_patches.signature import ArgLayout
 from torch_xla_patches.tracing import (ArgumentsRestore, CompiledGraphEntry,
@@ -109,9 +108,7 @@ class CompileWindow:
     (None when it is compiled already, or has nothing to compile)."""
     tensors = [args[i] for i in layout.tensor_positions]
     self._begin_trace(tensors)
-    restore = ArgumentsRestore.of(
-        tensors + graph_constants(xla_model),
-        clear_donor_marks=not sets_own_donors(xla_model))
+    restore = ArgumentsRestore.of(tensors + graph_constants(xla_model))
     restoring = True
     try:
       count_epilogue_updates(xla_model)

@@ -249,9 +249,9 @@ def clear_donor_mark(tensor: torch.Tensor) -> None:
 #   * a hold names its buffer by the handle it had when taken, and is let go
 #     with a tensor that still refers to that device data (the alias that
 #     took it, or the argument the trace's restore gave it back);
-#   * a mark that no trace holds (a user's, one a graph set itself) is left
-#     to the caller, who clears it where the bridge did before
-#     (clear_unheld);
+#   * a mark that no trace of the bridge holds (a user's, one a graph sets
+#     itself with dynamo_set_buffer_donor_) is left where it is: the program
+#     then donates that buffer, as upstream's bridge compiles it;
 #   * torch_xla's alias-with-buffer-donor flag, which makes the marks part
 #     of a hash and a program, is process-wide too: the bridge turns it on
 #     only through donor_aliasing, which keeps it on while any trace or
@@ -289,15 +289,6 @@ class DonorMarks:
         return
       del self._holds[handle]
       clear_donor_mark(tensor)
-
-  def clear_unheld(self, tensor: torch.Tensor) -> None:
-    """Clears a mark on `tensor`'s data that no trace holds."""
-    with self._lock:
-      if not torch_xla._XLAC._get_buffer_donation(tensor):
-        return
-      handle = _buffer_handle(tensor)
-      if handle is None or handle not in self._holds:
-        torch_xla._XLAC._set_buffer_donation(tensor, False)
 
   def held(self) -> int:
     """How many buffers some trace holds a mark on."""

@@ -37,7 +37,7 @@ from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         COUNTER_EVICTED_RETRACE,
                                         increment_counter)
 from torch_xla_patches.donation import (count_epilogue_updates, donor_aliasing,
-                                        prepare_donating_run, sets_own_donors,
+                                        prepare_donating_run,
                                         sync_alone_noting_reads)
 from torch_xla_patches import execution
 from torch_xla_patches.execution import (RefusedBeforeRun,
@@ -77,9 +77,8 @@ def extract_graph_helper(xla_model: torch.fx.GraphModule, args: Sequence[Any],
   # A trace or compile that raises must still leave the arguments as they
   # were and no pending IR behind: replaying a recorded signature skips
   # such a failure and the caller's call goes on.
-  with pending_ir_restored(
-      tensors + tracing.graph_constants(xla_model),
-      clear_donor_marks=not sets_own_donors(xla_model)) as restore:
+  with pending_ir_restored(tensors +
+                           tracing.graph_constants(xla_model)) as restore:
     count_epilogue_updates(xla_model)
     traced = tracing.trace_graph(xla_model, args, layout)
     if (not traced.entry.output_plan.inplace_updates and

@@ -207,12 +207,11 @@ class CompiledGraphEntry:
 
 @contextlib.contextmanager
 def pending_ir_restored(
-    tensors: Sequence[torch.Tensor],
-    clear_donor_marks: bool = False) -> Iterator['ArgumentsRestore']:
+    tensors: Sequence[torch.Tensor]) -> Iterator['ArgumentsRestore']:
   """Runs a trace of the FX graph on real arguments and leaves them as they
   were, with no pending IR behind, whether the trace returns or raises (see
   ArgumentsRestore); yields the restore, for a trace to run again."""
-  restore = ArgumentsRestore.of(tensors, clear_donor_marks)
+  restore = ArgumentsRestore.of(tensors)
   try:
     yield restore
   finally:
@@ -256,11 +255,9 @@ class ArgumentsRestore:
   let go by release(). What was read before the trace stays known as read (see
   maybe_read). The pending IR of the device is not cleared: other threads'
   tensors may be pending (see [Note: Threads] in execution.py). The donor
-  marks of a donating trace (mark_donor) are let go, and, with
-  `clear_donor_marks`, a mark no other trace holds on the data a tensor gets
-  back is cleared (see [Note: Donor marks held by traces] in donation.py); a
-  graph that marks its donors itself keeps its marks, as upstream's bridge
-  leaves them.
+  marks of a donating trace (mark_donor) are let go; any other mark stays
+  (see [Note: Donor marks held by traces] in donation.py): a user's, or one
+  a graph sets itself, as upstream's bridge leaves them.
 
   A placeholder (see [Note: Placeholder tensors] in io_utils.py) has no
   value to put back and no buffer a sync could read: it is not cloned, and
@@ -273,7 +270,6 @@ class ArgumentsRestore:
   read: List[bool]
   # Per tensor: whether it had IR before the trace.
   had_ir: List[bool]
-  clear_donor_marks: bool
 
   # The placeholders among the tensors, which are neither cloned nor synced.
   placeholders: List[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -283,8 +279,7 @@ class ArgumentsRestore:
                     int]] = dataclasses.field(default_factory=list)
 
   @classmethod
-  def of(cls, tensors: Sequence[torch.Tensor],
-         clear_donor_marks: bool) -> 'ArgumentsRestore':
+  def of(cls, tensors: Sequence[torch.Tensor]) -> 'ArgumentsRestore':
     placeholders = [t for t in tensors if io_utils.is_placeholder(t)]
     if placeholders:
       tensors = [t for t in tensors if not io_utils.is_placeholder(t)]
@@ -296,7 +291,6 @@ class ArgumentsRestore:
                clones=[torch.clone(t) for t in tensors],
                read=read,
                had_ir=had_ir,
-               clear_donor_marks=clear_donor_marks,
                placeholders=placeholders)
 
   def mark_donor(self, tensor: torch.Tensor) -> None:
@@ -331,9 +325,6 @@ class ArgumentsRestore:
       for tensor, handle in self.marks:
         donor_marks.let_go(tensor, handle)
       del self.marks[:]
-      if self.clear_donor_marks:
-        for tensor, _, _ in updated:
-          donor_marks.clear_unheld(tensor)
       sync_alone([tensor for tensor, _, _ in updated])
     for tensor, _, was_read in updated:
       if was_read:
