@@ -403,10 +403,10 @@ def test_a_donor_mark_held_by_two_traces_stays_until_both_let_go():
   torch_xla.sync()
   alias = torch_xla._XLAC._get_tensors_xla_device_data_node([buffer])[1][0]
   first, second = marks.hold(buffer), marks.hold(alias)
-  assert first == second and marks.held() == 1
-  marks.let_go(buffer, first)
+  assert first.handle == second.handle and marks.held() == 1
+  marks.let_go(first)
   assert torch_xla._XLAC._get_buffer_donation(buffer)
-  marks.let_go(alias, second)
+  marks.let_go(second)
   assert not torch_xla._XLAC._get_buffer_donation(buffer)
   assert marks.held() == 0
 

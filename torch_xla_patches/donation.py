@@ -4,6 +4,7 @@ its results over. See [Note: Donating in-place updates].
 """
 import collections
 import contextlib
+import dataclasses
 import threading
 from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
                     Tuple)
@@ -256,6 +257,16 @@ def clear_donor_mark(tensor: torch.Tensor) -> None:
 #     of a hash and a program, is process-wide too: the bridge turns it on
 #     only through donor_aliasing, which keeps it on while any trace or
 #     compile of the bridge is inside.
+@dataclasses.dataclass(frozen=True)
+class DonorHold:
+  """One trace's hold on a buffer's donor mark (DonorMarks.hold)."""
+  # A tensor on the marked device data, to clear the mark through.
+  tensor: torch.Tensor
+  # The buffer's handle when the hold was taken; None for a placeholder,
+  # whose data no one shares.
+  handle: Optional[int]
+
+
 class DonorMarks:
   """The donor marks the bridge's traces hold on shared buffers (see [Note:
   Donor marks held by traces])."""
@@ -265,30 +276,25 @@ class DonorMarks:
     # Buffer handle -> the number of holds on its mark.
     self._holds: Dict[int, int] = {}
 
-  def hold(self, tensor: torch.Tensor) -> Optional[int]:
-    """Marks `tensor`'s buffer as a donor for one more trace; returns the
-    handle to let go of it with (None for a placeholder, whose data no one
-    shares)."""
+  def hold(self, tensor: torch.Tensor) -> DonorHold:
+    """Marks `tensor`'s buffer as a donor for one more trace."""
     with self._lock:
       handle = _buffer_handle(tensor)
       if handle is not None:
         self._holds[handle] = self._holds.get(handle, 0) + 1
       torch_xla._XLAC._set_buffer_donation(tensor, True)
-      return handle
+      return DonorHold(tensor=tensor, handle=handle)
 
-  def let_go(self, tensor: torch.Tensor, handle: Optional[int]) -> None:
-    """Lets go of one hold taken as `handle`; clears the mark through
-    `tensor` when it was the last."""
+  def let_go(self, hold: DonorHold) -> None:
+    """Lets go of `hold`; clears the mark when it was the buffer's last."""
     with self._lock:
-      if handle is None:
-        clear_donor_mark(tensor)
-        return
-      left = self._holds[handle] - 1
-      if left:
-        self._holds[handle] = left
-        return
-      del self._holds[handle]
-      clear_donor_mark(tensor)
+      if hold.handle is not None:
+        left = self._holds[hold.handle] - 1
+        if left:
+          self._holds[hold.handle] = left
+          return
+        del self._holds[hold.handle]
+      clear_donor_mark(hold.tensor)
 
   def held(self) -> int:
     """How many buffers some trace holds a mark on."""

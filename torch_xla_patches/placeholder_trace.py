@@ -12,9 +12,9 @@ import torch_xla.runtime as xr
 
 from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
-from torch_xla_patches.donation import (data_id_of, donatable_positions,
-                                        donor_marks, is_functional,
-                                        replace_functional_value,
+from torch_xla_patches.donation import (DonorHold, data_id_of,
+                                        donatable_positions, donor_marks,
+                                        is_functional, replace_functional_value,
                                         sets_own_donors)
 from torch_xla_patches.execution import move_data_note, sync_alone
 from torch_xla_patches.signature import ArgLayout, UnsupportedGraphInput
@@ -255,11 +255,9 @@ class BufferAliases:
   restores: Dict[int, _Restore]
   # The device data handles of the aliased buffers.
   handles: Set[int]
-  # position -> the donating trace's stand-in there and the handle of its
-  # donor mark (see [Note: Donor marks held by traces] in donation.py).
-  marks: Dict[int,
-              Tuple[torch.Tensor,
-                    Optional[int]]] = dataclasses.field(default_factory=dict)
+  # position -> the donating trace's hold on the donor mark of its stand-in
+  # there (see [Note: Donor marks held by traces] in donation.py).
+  marks: Dict[int, DonorHold] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def of(cls, args: Sequence[Any], positions: Sequence[int]) -> 'BufferAliases':
@@ -316,14 +314,14 @@ class BufferAliases:
   def mark_donor(self, position: int, stand_in: torch.Tensor) -> None:
     """Marks the buffer of `stand_in`, the donating trace's at `position`,
     as a donor until let_go_marks (an alias's is the argument's)."""
-    self.marks[position] = (stand_in, donor_marks.hold(stand_in))
+    self.marks[position] = donor_marks.hold(stand_in)
 
   def let_go_marks(self, positions: Optional[Sequence[int]] = None) -> None:
     """Lets go of the donor marks at `positions` (all by default), once the
     compile is done or has failed."""
     for position in list(self.marks if positions is None else positions):
       if position in self.marks:
-        donor_marks.let_go(*self.marks.pop(position))
+        donor_marks.let_go(self.marks.pop(position))
 
   def drop(self) -> None:
     """Lets go of the donor marks, then leaves each alias a placeholder,

@@ -18,10 +18,10 @@ import torch_xla.core.xla_model as xm
 
 from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
-from torch_xla_patches.donation import (data_id_of, donatable_positions,
-                                        donor_aliasing, donor_marks, maybe_read,
-                                        note_data, read_since_set,
-                                        sets_own_donors)
+from torch_xla_patches.donation import (DonorHold, data_id_of,
+                                        donatable_positions, donor_aliasing,
+                                        donor_marks, maybe_read, note_data,
+                                        read_since_set, sets_own_donors)
 from torch_xla_patches.execution import sync_alone
 from torch_xla_patches.signature import (ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput, tuple_getter)
@@ -273,10 +273,9 @@ class ArgumentsRestore:
 
   # The placeholders among the tensors, which are neither cloned nor synced.
   placeholders: List[torch.Tensor] = dataclasses.field(default_factory=list)
-  # The donor marks the trace holds, with their handles (see [Note: Donor
-  # marks held by traces] in donation.py).
-  marks: List[Tuple[torch.Tensor,
-                    int]] = dataclasses.field(default_factory=list)
+  # The donor marks the trace holds (see [Note: Donor marks held by traces]
+  # in donation.py).
+  marks: List[DonorHold] = dataclasses.field(default_factory=list)
 
   @classmethod
   def of(cls, tensors: Sequence[torch.Tensor]) -> 'ArgumentsRestore':
@@ -295,7 +294,7 @@ class ArgumentsRestore:
 
   def mark_donor(self, tensor: torch.Tensor) -> None:
     """Marks `tensor`'s buffer as a donor until the restore."""
-    self.marks.append((tensor, donor_marks.hold(tensor)))
+    self.marks.append(donor_marks.hold(tensor))
 
   def __call__(self) -> None:
     """Copies each clone back into its tensor if the tensor has pending IR,
@@ -322,8 +321,8 @@ class ArgumentsRestore:
       # A donor mark of the bridge's trace would let the sync below hand
       # the buffer over; a second trace marks again. Another trace's hold
       # stays (see [Note: Donor marks held by traces] in donation.py).
-      for tensor, handle in self.marks:
-        donor_marks.let_go(tensor, handle)
+      for hold in self.marks:
+        donor_marks.let_go(hold)
       del self.marks[:]
       sync_alone([tensor for tensor, _, _ in updated])
     for tensor, _, was_read in updated:
