@@ -12,7 +12,7 @@ import torch_xla
 
 import torch_xla_patches
 from torch_xla_patches import (TensorSpec, compile_window, config, donation,
-                               io_utils, placeholder_trace, tracing)
+                               execution, io_utils, placeholder_trace, tracing)
 
 WIDTH = 8
 SLOTS = 4
@@ -122,13 +122,17 @@ def decode_steps(cpu, step, rows, count, seed, as_view=False, after_step=None):
 
 
 def held_on_new_shape(monkeypatch, held):
-  """Holds the trace or the XLA compile made off this thread."""
-  module, name = {
-      'trace': (tracing, 'trace_graph'),
-      'compile': (compile_window, 'compile_graph')
+  """Holds the trace, the XLA compile or the first sync of inputs (whichever
+  module's name for it is called) made off this thread."""
+  places = {
+      'trace': [(tracing, 'trace_graph')],
+      'compile': [(compile_window, 'compile_graph')],
+      'sync': [(execution, 'sync_alone'), (donation, 'sync_alone')],
   }[held]
-  hold = HeldOffThread(getattr(module, name))
-  monkeypatch.setattr(module, name, hold)
+  hold = HeldOffThread(execution.sync_alone if held == 'sync' else getattr(
+      *places[0]))
+  for module, name in places:
+    monkeypatch.setattr(module, name, hold)
   return hold
 
 
@@ -177,18 +181,23 @@ def test_calls_complete_while_a_donating_signature_is_made(
       lambda: decode_steps(cpu, step, 32, 3, 1, as_view=step_input == 'view'))
 
 
-@pytest.mark.parametrize('held', ['trace', 'compile'])
+@pytest.mark.parametrize('held', ['trace', 'compile', 'sync'])
 def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
     patched_bridge, monkeypatch, held):
   # Under torch.compile (apply()'s default mode) a new batch size is a new
   # dynamo graph, whose first signature the graph's first call traces and
   # compiles. Held there, on its thread, it keeps no other thread's steps
-  # of the compiled batch size waiting.
+  # of the compiled batch size waiting. So does the hand-over's sync of the
+  # call's new inputs (a compile of their own), made before execution_lock
+  # (see [Note: A hand-over's sync before the lock] in dynamo_bridge.py).
   torch.manual_seed(0)
   cpu = CacheWriter().eval()
   model = CacheWriter().eval().to(torch_xla.device())
   model.load_state_dict(cpu.state_dict())
-  step = torch.compile(model, backend='openxla')
+  # Static sizes: the new batch size's graph takes no call of this one's
+  # (a graph with a size symbol would, and those calls would wait for its
+  # hand-over under its first-call lock).
+  step = torch.compile(model, backend='openxla', dynamic=False)
   decode_steps(cpu, step, 16, 2, seed=0)
   hold = held_on_new_shape(monkeypatch, held)
 
@@ -434,3 +443,30 @@ def test_donor_aliasing_stays_on_until_its_last_user_leaves():
   leave.set()
   thread.join(FAILURE_BOUND_S)
   assert seen == [True] and not aliasing()
+
+
+def test_a_pending_argument_takes_its_synced_twin_unless_updated_since():
+  # [Note: A hand-over's sync before the lock]: the twin is synced, not the
+  # argument; the argument takes the twin's data only if its value is still
+  # the one the twin was made from.
+  import torch_xla.debug.metrics as met
+  base = xla(torch.arange(12.).reshape(3, 4))
+  torch_xla.sync()
+  kept, updated = base * 2 + 1, base - 3
+  twins = donation.pending_twins([kept, updated])
+  assert [twin.tensor is t for twin, t in zip(twins, [kept, updated])
+         ] == [True, True]
+  updated.mul_(10)
+  execution.sync_pending([twin.twin for twin in twins])
+  assert torch_xla._XLAC._check_tensor_need_materialization([kept, updated
+                                                            ]) == [True, True]
+  donation.take_twins(twins)
+  assert torch_xla._XLAC._check_tensor_need_materialization([kept, updated
+                                                            ]) == [False, True]
+  met.clear_all()
+  torch.testing.assert_close(kept.cpu(),
+                             torch.arange(12.).reshape(3, 4) * 2 + 1)
+  # The twin's program computed `kept`: reading it runs nothing.
+  assert met.metric_data('ExecuteTime') is None
+  torch.testing.assert_close(updated.cpu(),
+                             (torch.arange(12.).reshape(3, 4) - 3) * 10)

@@ -565,3 +565,48 @@ def replace_functional_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
   if torch._is_functional_tensor(value):
     value = torch._from_functional_tensor(value)
   torch._functionalize_replace(tensor, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingTwin:
+  """`twin`, a lazy tensor on the pending IR of `tensor` (a functional
+  wrapper) made under execution_lock, to be synced with the lock let go and
+  taken back by `tensor` under it (see [Note: A hand-over's sync before the
+  lock] in dynamo_bridge.py); `value_id` names the lazy tensor inside
+  `tensor` when the twin was made."""
+  tensor: torch.Tensor
+  value_id: int
+  twin: torch.Tensor
+
+
+def pending_twins(tensors: Sequence[torch.Tensor]) -> List[PendingTwin]:
+  """Under execution_lock: a twin of each functional wrapper among `tensors`
+  that has pending IR. A twin shares its tensor's IR (torch_xla's clone
+  copies no data and adds no node) and nothing else: syncing it writes no
+  state another thread may read."""
+  twins = []
+  for tensor in tensors:
+    if torch._is_functional_tensor(tensor):
+      value = torch._from_functional_tensor(tensor)
+      twins.append(
+          PendingTwin(tensor=tensor,
+                      value_id=torch_xla._XLAC._xla_get_tensor_id(value),
+                      twin=value.clone()))
+  return twins
+
+
+def take_twins(twins: Sequence[PendingTwin]) -> None:
+  """Under execution_lock: each tensor whose value is still the one its twin
+  was made from takes the twin's synced data as its value (the same value,
+  which its views need not replay), noted as given in the data ledger; one
+  updated since keeps its own value, for the hand-over's sync under the
+  lock."""
+  for pending in twins:
+    value = torch._from_functional_tensor(pending.tensor)
+    if torch_xla._XLAC._xla_get_tensor_id(value) != pending.value_id:
+      continue
+    twin = pending.twin
+    if torch._is_functional_tensor(twin):
+      twin = torch._from_functional_tensor(twin)
+    torch._functionalize_replace(pending.tensor, twin)
+    note_data(pending.tensor, given=True)
