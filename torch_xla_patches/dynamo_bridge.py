@@ -382,8 +382,9 @@ def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   # have pending IR (see [Note: A hand-over's sync before the lock]).
   with execution.execution_lock:
     specs = fallback_probe.look_ahead_specs(xla_model, xla_args)
-    twins = ([] if xr.is_spmd() else pending_twins(
-        execution.pending_of(_up_to_date_xla_tensors(xla_args))))
+    twins = ([] if xr.is_spmd() or fallback_probe.graph_draws_random_numbers(
+        xla_model.graph) else pending_twins(
+            execution.pending_of(_up_to_date_xla_tensors(xla_args))))
   execution.sync_pending([pending.twin for pending in twins])
   xla_only = False
   if specs is not None:
@@ -416,8 +417,12 @@ def _up_to_date_xla_tensors(xla_args: Sequence[Any]) -> List[torch.Tensor]:
   argument whose value is still the one its twin was made from takes the
   twin's data (donation.take_twins). An argument updated meanwhile keeps
   its value, which the hand-over syncs under the lock as before, as it does
-  one that is no functional wrapper (XLA_DISABLE_FUNCTIONALIZATION=1), and
-  every argument under SPMD (a twin carries no sharding)."""
+  one that is no functional wrapper (XLA_DISABLE_FUNCTIONALIZATION=1),
+  every argument under SPMD (a twin carries no sharding) and every argument
+  of a graph that draws random numbers (a sync moved off the lock changes
+  when the device generator's seed is synced against other threads' traces,
+  and with it the programs they trace: a replay on two compile workers then
+  made other programs than the serial one)."""
   tensors = [
       arg for arg in xla_args
       if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
