@@ -21,7 +21,7 @@ from torch_xla_patches import compile_window
 from torch_xla_patches.compile_window import CompileWindow
 from torch_xla_patches.counters import (COUNTER_DROPPED, COUNTER_HIT,
                                         COUNTER_MISS, increment_counter)
-from torch_xla_patches import donation, execution, fallback_probe
+from torch_xla_patches import execution
 from torch_xla_patches.signature import ArgLayout, ShapeSignature
 from torch_xla_patches.placeholder_trace import DetachedTrace
 from torch_xla_patches.tracing import CompiledGraphEntry, TracedGraph
@@ -416,19 +416,6 @@ class SignatureCache:
       # buckets do, and the warm-up waits for them.
       self._compile_in_background(args)
       return True
-    # The rebuilt arguments (zeros of the recorded sizes) are synced on
-    # twins with execution_lock let go (see [Note: A hand-over's sync before
-    # the lock] in dynamo_bridge.py): a graph's first call replays its
-    # records under the lock (its hand-over's drain), and their syncs, each
-    # an XLA compile of a new size, then keep no other thread's call waiting.
-    if not (self.layout.spmd or
-            fallback_probe.graph_draws_random_numbers(self.xla_model.graph)):
-      twins = donation.pending_twins(
-          execution.pending_of(
-              [args[position] for position in self.layout.tensor_positions]))
-      with execution.execution_lock_released():
-        execution.sync_pending([pending.twin for pending in twins])
-      donation.take_twins(twins)
     self._trace_and_record(key, args)
     return True
 
