@@ -419,10 +419,8 @@ def _up_to_date_xla_tensors(xla_args: Sequence[Any]) -> List[torch.Tensor]:
   its value, which the hand-over syncs under the lock as before, as it does
   one that is no functional wrapper (XLA_DISABLE_FUNCTIONALIZATION=1),
   every argument under SPMD (a twin carries no sharding) and every argument
-  of a graph that draws random numbers (a sync moved off the lock changes
-  when the device generator's seed is synced against other threads' traces,
-  and with it the programs they trace: a replay on two compile workers then
-  made other programs than the serial one)."""
+  of a graph that draws random numbers, whose hand-over keeps its place
+  among other threads' traces under the lock, as its look-ahead does."""
   tensors = [
       arg for arg in xla_args
       if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
