@@ -189,7 +189,7 @@ def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
   # compiles. Held there, on its thread, it keeps no other thread's steps
   # of the compiled batch size waiting. So does the hand-over's sync of the
   # call's new inputs (a compile of their own), made before execution_lock
-  # (see [Note: A hand-over's sync before the lock] in dynamo_bridge.py).
+  # (see [Note: A hand-over's sync before the lock] in donation.py).
   torch.manual_seed(0)
   cpu = CacheWriter().eval()
   model = CacheWriter().eval().to(torch_xla.device())

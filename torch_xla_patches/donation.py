@@ -21,7 +21,8 @@ from torch_xla_patches.counters import (
     COUNTER_DONATION_VIEW, increment_counter)
 from torch_xla_patches.execution import (KNOWN_DATA_LIMIT, data_id_of,
                                          device_name, extracted_once,
-                                         known_data, note_data, sync_alone)
+                                         known_data, note_data, pending_of,
+                                         sync_alone)
 from torch_xla_patches.signature import ArgLayout
 
 # [Note: Donating in-place updates]
@@ -572,7 +573,7 @@ class PendingTwin:
   """`twin`, a lazy tensor on the pending IR of `tensor` (a functional
   wrapper) made under execution_lock, to be synced with the lock let go and
   taken back by `tensor` under it (see [Note: A hand-over's sync before the
-  lock] in dynamo_bridge.py); `value_id` names the lazy tensor inside
+  lock]); `value_id` names the lazy tensor inside
   `tensor` when the twin was made."""
   tensor: torch.Tensor
   value_id: int
@@ -610,3 +611,37 @@ def take_twins(twins: Sequence[PendingTwin]) -> None:
       twin = torch._from_functional_tensor(twin)
     torch._functionalize_replace(pending.tensor, twin)
     note_data(pending.tensor, given=True)
+
+
+def twins_of_pending_arguments(xla_args: Sequence[Any]) -> List[PendingTwin]:
+  """Under execution_lock: twins of a hand-over's XLA tensor arguments that
+  have pending IR, each functional wrapper's value first brought up to date
+  with its views' updates, as the hand-over does.
+
+  [Note: A hand-over's sync before the lock]
+  A hand-over makes its arguments device data before it traces them; those
+  of a shape no program had (a new batch size's inputs, a cache of a new
+  size just reset) take an XLA compile of their own, tens of ms, which
+  other threads' calls of compiled programs would wait for under
+  execution_lock. A sync writes the tensors it syncs (their IR goes, their
+  buffer comes later), and other threads read module state under the lock
+  (a guard check reads a module's buffers), so the arguments themselves are
+  not synced off it: under the lock, each one with pending IR gets a twin,
+  a lazy tensor on the same IR and nothing else (pending_twins);
+  the twins are synced with the lock let go; under the lock again, each
+  argument whose value is still the one its twin was made from takes the
+  twin's data (take_twins). An argument updated meanwhile keeps
+  its value, which the hand-over syncs under the lock as before, as it does
+  one that is no functional wrapper (XLA_DISABLE_FUNCTIONALIZATION=1). The
+  hand-over (dynamo_bridge.extract_compiled_graph) makes no twins under SPMD
+  (a twin carries no sharding) nor for a graph that draws random numbers,
+  whose hand-over keeps its place among other threads' traces under the
+  lock, as its look-ahead does."""
+  tensors = [
+      arg for arg in xla_args
+      if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
+  ]
+  for tensor in tensors:
+    if torch._is_functional_tensor(tensor):
+      torch._functionalize_sync(tensor)
+  return pending_twins(pending_of(tensors))

@@ -37,8 +37,9 @@ from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         COUNTER_EVICTED_RETRACE,
                                         increment_counter)
 from torch_xla_patches.donation import (count_epilogue_updates, donor_aliasing,
-                                        pending_twins, prepare_donating_run,
-                                        sync_alone_noting_reads, take_twins)
+                                        prepare_donating_run,
+                                        sync_alone_noting_reads, take_twins,
+                                        twins_of_pending_arguments)
 from torch_xla_patches import execution
 from torch_xla_patches.execution import (RefusedBeforeRun,
                                          refused_for_pending_ir)
@@ -379,12 +380,12 @@ def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   # What reads the arguments holds the lock; the look-ahead on placeholders
   # made from their metadata does not (see [Note: A hand-over's look-ahead
   # on placeholders]), nor does the sync of twins of the arguments that
-  # have pending IR (see [Note: A hand-over's sync before the lock]).
+  # have pending IR (see [Note: A hand-over's sync before the lock] in
+  # donation.py).
   with execution.execution_lock:
     specs = fallback_probe.look_ahead_specs(xla_model, xla_args)
     twins = ([] if xr.is_spmd() or fallback_probe.graph_draws_random_numbers(
-        xla_model.graph) else pending_twins(
-            execution.pending_of(_up_to_date_xla_tensors(xla_args))))
+        xla_model.graph) else twins_of_pending_arguments(xla_args))
   execution.sync_pending([pending.twin for pending in twins])
   xla_only = False
   if specs is not None:
@@ -396,39 +397,6 @@ def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
     take_twins(twins)
     del twins
     return extract_compiled_graph_helper(xla_model, xla_args, xla_only)
-
-
-def _up_to_date_xla_tensors(xla_args: Sequence[Any]) -> List[torch.Tensor]:
-  """The XLA tensors among a hand-over's arguments, each functional
-  wrapper's value brought up to date with its views' updates first, as the
-  hand-over does. Under execution_lock.
-
-  [Note: A hand-over's sync before the lock]
-  A hand-over makes its arguments device data before it traces them; those
-  of a shape no program had (a new batch size's inputs, a cache of a new
-  size just reset) take an XLA compile of their own, tens of ms, which
-  other threads' calls of compiled programs would wait for under
-  execution_lock. A sync writes the tensors it syncs (their IR goes, their
-  buffer comes later), and other threads read module state under the lock
-  (a guard check reads a module's buffers), so the arguments themselves are
-  not synced off it: under the lock, each one with pending IR gets a twin,
-  a lazy tensor on the same IR and nothing else (donation.pending_twins);
-  the twins are synced with the lock let go; under the lock again, each
-  argument whose value is still the one its twin was made from takes the
-  twin's data (donation.take_twins). An argument updated meanwhile keeps
-  its value, which the hand-over syncs under the lock as before, as it does
-  one that is no functional wrapper (XLA_DISABLE_FUNCTIONALIZATION=1),
-  every argument under SPMD (a twin carries no sharding) and every argument
-  of a graph that draws random numbers, whose hand-over keeps its place
-  among other threads' traces under the lock, as its look-ahead does."""
-  tensors = [
-      arg for arg in xla_args
-      if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
-  ]
-  for tensor in tensors:
-    if torch._is_functional_tensor(tensor):
-      torch._functionalize_sync(tensor)
-  return tensors
 
 
 def partition_fx_graph_for_cpu_fallback(
@@ -612,7 +580,7 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   if placeholders and fallback_probe.graph_reads_values(xla_model.graph):
     if not on_zeros:
       raise fallback_probe.NeedsValues()
-    return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
+    return _look_ahead_on(xla_model, io_utils.zeros_for_placeholders(xla_args))
   collector = UnsupportedNodesCollector(xla_model, placeholders)
   try:
     with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
@@ -620,7 +588,7 @@ def _look_ahead_on(xla_model: torch.fx.GraphModule,
   except fallback_probe.NeedsValues:
     if not on_zeros:
       raise
-    return _look_ahead_on(xla_model, _zeros_for_placeholders(xla_args))
+    return _look_ahead_on(xla_model, io_utils.zeros_for_placeholders(xla_args))
   collector.arguments = xla_args
   return collector
 
@@ -679,16 +647,6 @@ def _look_ahead_on_placeholders(
     collector = None
     io_utils.placeholder_traces.traced()
     io_utils.placeholder_traces.end()
-
-
-def _zeros_for_placeholders(xla_args: Sequence[Any]) -> List[Any]:
-  """`xla_args` with each placeholder replaced by zeros of its size (see
-  [Note: Look-ahead on placeholders])."""
-  return [
-      io_utils.zeros_on_device(a.shape, a.dtype, a.device)
-      if io_utils.is_placeholder(a) and not io_utils.is_stand_in(a) else a
-      for a in xla_args
-  ]
 
 
 # [Note: Graphs that cannot be split]

@@ -42,10 +42,10 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # program's included), so that calls of compiled programs go on meanwhile.
 # What still holds it: a trace of the arguments themselves (arguments that
 # share data, SPMD; with its restore), a graph's hand-over (but its
-# look-ahead on placeholders and the sync of twins of its pending arguments:
-# see [Note: A hand-over's look-ahead on placeholders] and [Note: A
-# hand-over's sync before the lock] in dynamo_bridge.py), a capture and a
-# guard check (see
+# look-ahead on placeholders, see [Note: A hand-over's look-ahead on
+# placeholders] in dynamo_bridge.py, and the sync of twins of its pending
+# arguments, see [Note: A hand-over's sync before the lock] in donation.py),
+# a capture and a guard check (see
 # [Note: What reads the model's tensors] in serialization.py).
 # Lock order, first taken first:
 #   1. a graph's first-call lock (extracted_once, and the serializable
@@ -251,7 +251,11 @@ def sync_before_the_lock(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
   signature's, a cache of a new size just reset) take an XLA compile of
   their own, which then keeps no other thread's call waiting (see [Note:
   Compiles outside the lock] in signature_cache.py)."""
-  return sync_pending(pending_of(tensors))
+  # pending_of's check, here: every compiled call makes it.
+  flags = torch_xla._XLAC._check_tensor_need_materialization(tensors)
+  if True not in flags:
+    return []
+  return sync_pending([t for t, flag in zip(tensors, flags) if flag])
 
 
 def pending_of(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -15,7 +15,7 @@ import stat
 import tempfile
 import threading
 import weakref
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -136,6 +136,15 @@ def reset_placeholder(tensor: torch.Tensor) -> None:
   if keeper is None:
     keeper = placeholder(tensor.shape, tensor.dtype)
   torch_xla._XLAC._replace_xla_tensor(tensor, keeper)
+
+
+def zeros_for_placeholders(xla_args: Sequence[Any]) -> List[Any]:
+  """`xla_args` with each placeholder replaced by zeros of its size (see
+  [Note: Look-ahead on placeholders] in dynamo_bridge.py)."""
+  return [
+      zeros_on_device(a.shape, a.dtype, a.device)
+      if is_placeholder(a) and not is_stand_in(a) else a for a in xla_args
+  ]
 
 
 def sharded_stand_in(shape: Sequence[int], dtype: torch.dtype,
