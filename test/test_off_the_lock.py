@@ -11,8 +11,9 @@ import torch
 import torch_xla
 
 import torch_xla_patches
-from torch_xla_patches import (TensorSpec, compile_window, config, donation,
-                               execution, io_utils, placeholder_trace, tracing)
+from torch_xla_patches import (TensorSpec, backlog, compile_window, config,
+                               donation, execution, io_utils, placeholder_trace,
+                               signature_cache, signature_index, tracing)
 
 WIDTH = 8
 SLOTS = 4
@@ -470,3 +471,60 @@ def test_a_pending_argument_takes_its_synced_twin_unless_updated_since():
   assert met.metric_data('ExecuteTime') is None
   torch.testing.assert_close(updated.cpu(),
                              (torch.arange(12.).reshape(3, 4) - 3) * 10)
+
+
+def scaled_sum(x, w):
+  return torch.tanh(x @ w).sum(dim=0) + x.shape[0]
+
+
+def scaled_sum_calls(compiled, sizes, w):
+  for n in sizes:
+    x = torch.randn(n, 8)
+    torch.testing.assert_close(compiled(xla(x), xla(w)).cpu(),
+                               scaled_sum(x, w),
+                               rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_a_graph_handed_over_beside_served_calls_replays_on_the_pool(
+    patched_bridge, monkeypatch, tmp_path):
+  # [Note: Replays beside served calls]: a restart's new graph (here
+  # scaled_sum, its sizes 3 and 5 recorded) handed over on one thread while
+  # another thread serves another graph (the decode steps) replays its
+  # recorded size on the compile pool, not under execution_lock in its
+  # first call: held there, the first call of size 3 returns and the other
+  # thread's steps complete; once let go, size 5 is a hit.
+  import torch_xla.debug.metrics as met
+  monkeypatch.setattr(config, 'cache_dir', str(tmp_path))
+  w = torch.randn(8, 4)
+  scaled_sum_calls(torch.compile(scaled_sum, backend='openxla', dynamic=True),
+                   [3, 5], w)
+  signature_index.flush_all_usage()
+  torch._dynamo.reset()
+  cpu, step = compiled_writer('torch.compile')
+  decode_steps(cpu, step, 16, 2, seed=0)  # served on this thread
+
+  submit = signature_cache.SignatureCache._submit
+  hold = HeldOffThread(lambda make_entry: make_entry())
+
+  def submit_held(cache, key, signature, made, work, make_entry):
+    if cache._replays_beside:  # pylint: disable=protected-access
+      return submit(cache, key, signature, made, work, lambda: hold(make_entry))
+    return submit(cache, key, signature, made, work, make_entry)
+
+  monkeypatch.setattr(signature_cache.SignatureCache, '_submit', submit_held)
+  met.clear_all()
+  compiled = torch.compile(scaled_sum, backend='openxla', dynamic=True)
+  thread, outcome = call_in_thread(lambda: scaled_sum_calls(compiled, [3], w),
+                                   name='new-graph')
+  assert hold.held.wait(FAILURE_BOUND_S)
+  thread.join(FAILURE_BOUND_S)
+  assert not thread.is_alive() and outcome == {'result': None}, outcome
+  check_steps(decode_steps(cpu, step, 16, 5, seed=2))
+  hold.release()
+  compile_window.compile_pool().wait_running(FAILURE_BOUND_S)
+  assert hold.released_in_time
+  assert met.counter_value(backlog.COUNTER_PRECOMPILED) == 1
+  misses = met.counter_value('DynamoSignatureMiss')
+  scaled_sum_calls(compiled, [5], w)
+  assert met.counter_value('DynamoSignatureMiss') == misses

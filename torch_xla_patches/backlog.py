@@ -221,6 +221,10 @@ class Backlog:
       return
     self._drain(_Budget(count=1, deadline=None))
 
+  def drain_one(self) -> BacklogReport:
+    """Compiles the next queued signature, whatever the mode."""
+    return self._drain(_Budget(count=1, deadline=None))
+
   def drain_all(self) -> BacklogReport:
     """Compiles everything queued now, whatever the mode."""
     return self._drain(_Budget(count=None, deadline=None))

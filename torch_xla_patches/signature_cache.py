@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence
@@ -62,6 +63,8 @@ class CompileFailed(RuntimeError):
 
 
 _graph_ids = itertools.count()
+# See [Note: Replays beside served calls].
+REPLAY_BESIDE_SERVING_S = 2.0
 _live_caches: 'weakref.WeakSet[SignatureCache]' = weakref.WeakSet()
 
 
@@ -119,7 +122,24 @@ class SignatureCache:
   donated is their pending IR, which the restore drops, and a returned
   argument's device data would be written by the compile while other threads
   read it. So do recorded signatures replayed from the backlog (see
-  backlog.py), whose drains hold the lock.
+  backlog.py), whose drains hold the lock, but for a replay beside served
+  calls (below).
+
+  [Note: Replays beside served calls]
+  A graph whose recorded signatures are queued (its hand-over, see
+  queue_recorded) while another thread served a call of another graph
+  within REPLAY_BESIDE_SERVING_S replays them on the compile pool, as a
+  compile-only call does (_compile_in_background: traced on stand-ins and
+  compiled with no lock where the arguments allow it), one record at a
+  time: the next is taken after a served call of this graph once the one
+  before is compiled. A replay under the lock there would stop that thread's
+  calls for as long as it traces and compiles (a generation server's new
+  batch size: tens of ms a record). A call of a signature still replaying
+  waits for it without the lock, as for any compile in flight (on_miss). A
+  process's first graphs, and a graph whose calls come from the thread that
+  last served, replay as config.precompile_mode says. The choice is made at
+  the first queue of the graph and kept. One record at a time bounds what
+  the replays hold (each record's rebuilt arguments) to one record's.
   """
 
   def __init__(self,
@@ -147,6 +167,15 @@ class SignatureCache:
     self.backlog = Backlog(self.graph_id, layout, self._compile_recorded,
                            self._compile_window)
     self.usage: Optional[signature_index.UsageLog] = None
+    # When, and by which thread, this graph last served a call, with a
+    # cache directory (the only source of recorded signatures): see [Note:
+    # Replays beside served calls].
+    self.last_served_at = float('-inf')
+    self.last_served_by: Optional[int] = None
+    # Whether this graph replays beside served calls, and its replay in
+    # flight there.
+    self._replays_beside = False
+    self._replay_in_flight: Optional[concurrent.futures.Future] = None
     if config.cache_dir:
       index = signature_index.GraphIndex(
           config.cache_dir, fingerprint.graph_fingerprint(xla_model, layout),
@@ -173,10 +202,15 @@ class SignatureCache:
     usage = self.usage
     if usage is not None:
       usage.served[key] += 1
-      if time.monotonic() >= usage.next_flush:
+      now = self.last_served_at = time.monotonic()
+      self.last_served_by = threading.get_ident()
+      if now >= usage.next_flush:
         usage.flush()
     if self.backlog:
-      self.backlog.after_served_call()
+      if self._replays_beside:
+        self._replay_next_beside()
+      else:
+        self.backlog.after_served_call()
 
   def trace(self, key: Hashable, args: Sequence[Any]) -> CompiledGraphEntry:
     """Traces and compiles the signature of `args` holding the lock."""
@@ -416,6 +450,10 @@ class SignatureCache:
       # buckets do, and the warm-up waits for them.
       self._compile_in_background(args)
       return True
+    if self._replays_beside:
+      self._compile_in_background(args)
+      self._replay_in_flight = self.compiling.get(key)
+      return True
     self._trace_and_record(key, args)
     return True
 
@@ -482,7 +520,32 @@ class SignatureCache:
     backlog.py) and, in 'sync' mode before the first call is served, compiles
     what that call's budget still allows."""
     self.backlog.queue(records, live_args)
-    self.backlog.drain_for_first_call()
+    if not self._replays_beside and self._other_thread_serving():
+      self._replays_beside = True
+    if self._replays_beside:
+      self._replay_next_beside()
+    else:
+      self.backlog.drain_for_first_call()
+
+  def _other_thread_serving(self) -> bool:
+    """Whether another thread served a call of another graph lately (see
+    [Note: Replays beside served calls])."""
+    if config.precompile_mode == 'off' or execution.compiling_only():
+      return False
+    here = threading.get_ident()
+    since = time.monotonic() - REPLAY_BESIDE_SERVING_S
+    return any(cache is not self and cache.last_served_by not in (
+        None, here) and cache.last_served_at >= since
+               for cache in list(_live_caches))
+
+  def _replay_next_beside(self) -> None:
+    """Starts the next recorded signature's replay on the compile pool once
+    the one before is compiled (see [Note: Replays beside served calls])."""
+    in_flight = self._replay_in_flight
+    if in_flight is not None and not in_flight.done():
+      return
+    self._replay_in_flight = None
+    self.backlog.drain_one()
 
   def queue_index_records(self, live_args: Sequence[Any]) -> None:
     """Queues what the signature index recorded for this graph."""
