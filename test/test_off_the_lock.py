@@ -3,6 +3,7 @@ shape compiles (a donating program among them) or is captured, another
 thread's calls of compiled programs complete (see [Note: Traces on
 placeholders] in placeholder_trace.py and [Note: Compiles outside the lock] in
 signature_cache.py)."""
+import concurrent.futures
 import threading
 import time
 
@@ -528,3 +529,58 @@ def test_a_graph_handed_over_beside_served_calls_replays_on_the_pool(
   misses = met.counter_value('DynamoSignatureMiss')
   scaled_sum_calls(compiled, [5], w)
   assert met.counter_value('DynamoSignatureMiss') == misses
+
+
+def test_a_replay_beside_served_calls_that_raises_fails_no_call(
+    patched_bridge, monkeypatch, tmp_path, caplog):
+  # [Note: Replays beside served calls]: the replay of size 5 raises on the
+  # compile pool while a call of size 5 waits for it; that call compiles
+  # the signature itself and answers, and the failure is logged.
+  import torch_xla.debug.metrics as met
+  monkeypatch.setattr(config, 'cache_dir', str(tmp_path))
+  w = torch.randn(8, 4)
+  scaled_sum_calls(torch.compile(scaled_sum, backend='openxla', dynamic=True),
+                   [3, 5], w)
+  signature_index.flush_all_usage()
+  torch._dynamo.reset()
+  cpu, step = compiled_writer('torch.compile')
+  decode_steps(cpu, step, 16, 2, seed=0)
+
+  def broken_replay():
+    raise RuntimeError('a broken replay')
+
+  submit = signature_cache.SignatureCache._submit
+  hold = HeldOffThread(broken_replay)
+
+  def submit_broken(cache, key, signature, made, work, make_entry):
+    if cache._replays_beside:  # pylint: disable=protected-access
+      return submit(cache, key, signature, made, work, hold)
+    return submit(cache, key, signature, made, work, make_entry)
+
+  monkeypatch.setattr(signature_cache.SignatureCache, '_submit', submit_broken)
+  compiled = torch.compile(scaled_sum, backend='openxla', dynamic=True)
+  thread, outcome = call_in_thread(lambda: scaled_sum_calls(compiled, [3], w),
+                                   name='new-graph')
+  assert hold.held.wait(FAILURE_BOUND_S)
+  thread.join(FAILURE_BOUND_S)
+  assert outcome == {'result': None}, outcome
+  # The call of size 5 waits for the replay's future, then it raises.
+  entered = threading.Event()
+  real_wait = concurrent.futures.wait
+
+  def noted_wait(futures, *args, **kwargs):
+    if threading.current_thread().name == 'size-5':
+      entered.set()
+    return real_wait(futures, *args, **kwargs)
+
+  monkeypatch.setattr(concurrent.futures, 'wait', noted_wait)
+  met.clear_all()
+  waiting, waited = call_in_thread(lambda: scaled_sum_calls(compiled, [5], w),
+                                   name='size-5')
+  assert entered.wait(FAILURE_BOUND_S)
+  hold.release()
+  waiting.join(FAILURE_BOUND_S)
+  assert waited == {'result': None}, waited
+  assert hold.released_in_time
+  assert met.counter_value('DynamoSignatureMiss') == 1
+  assert any('a broken replay' in r.getMessage() for r in caplog.records)

@@ -16,6 +16,9 @@ depends on config.precompile_mode, one meaning per value:
   interleaved  one after each served call, the first included;
   off          only when a caller drains the backlog (CompiledModel.
                precompile_pending).
+A graph handed over while another thread serves another graph replays on
+the compile pool instead, one record at a time (see [Note: Replays beside
+served calls] in signature_cache.py, which calls drain_one).
 A record that fails a check (record.RecordError) is skipped, counted
 (DynamoSignaturePrecompileSkipped) and named in one warning per graph: damage
 costs compile time, never a call. Any other exception is a bug of the replay

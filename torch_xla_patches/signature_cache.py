@@ -137,9 +137,13 @@ class SignatureCache:
   batch size: tens of ms a record). A call of a signature still replaying
   waits for it without the lock, as for any compile in flight (on_miss). A
   process's first graphs, and a graph whose calls come from the thread that
-  last served, replay as config.precompile_mode says. The choice is made at
-  the first queue of the graph and kept. One record at a time bounds what
-  the replays hold (each record's rebuilt arguments) to one record's.
+  last served, replay as config.precompile_mode says; once a graph replays
+  beside served calls, it keeps doing so. One record at a time bounds what
+  the replays hold (a record's rebuilt arguments) to one record's; they are
+  rebuilt under the lock, as before (zeros of the recorded sizes). A replay
+  that raises there is logged, and the calls of its signature compile it
+  themselves (a call that waited for it included): nothing recorded makes a
+  call fail.
   """
 
   def __init__(self,
@@ -172,10 +176,12 @@ class SignatureCache:
     # Replays beside served calls].
     self.last_served_at = float('-inf')
     self.last_served_by: Optional[int] = None
-    # Whether this graph replays beside served calls, and its replay in
-    # flight there.
+    # Whether this graph replays beside served calls, its replay in flight
+    # there, and the futures of its replays a waiting call may hold.
     self._replays_beside = False
     self._replay_in_flight: Optional[concurrent.futures.Future] = None
+    self._replays: 'weakref.WeakSet[concurrent.futures.Future]' = (
+        weakref.WeakSet())
     if config.cache_dir:
       index = signature_index.GraphIndex(
           config.cache_dir, fingerprint.graph_fingerprint(xla_model, layout),
@@ -264,6 +270,10 @@ class SignatureCache:
       if future.cancelled():
         continue
       error = future.exception()
+      if error is not None and future in self._replays:
+        # A replay's failure is the replay's: this call compiles the
+        # signature itself (see [Note: Replays beside served calls]).
+        continue
       if isinstance(error, CompileFailed):
         raise CompileFailed(str(error)) from error
       if error is not None:
@@ -452,7 +462,10 @@ class SignatureCache:
       return True
     if self._replays_beside:
       self._compile_in_background(args)
-      self._replay_in_flight = self.compiling.get(key)
+      in_flight = self._replay_in_flight = self.compiling.get(key)
+      if in_flight is not None:
+        self._replays.add(in_flight)
+        in_flight.add_done_callback(self._replay_done)
       return True
     self._trace_and_record(key, args)
     return True
@@ -537,6 +550,14 @@ class SignatureCache:
     return any(cache is not self and cache.last_served_by not in (
         None, here) and cache.last_served_at >= since
                for cache in list(_live_caches))
+
+  def _replay_done(self, future: concurrent.futures.Future) -> None:
+    """Says, on the compile pool, that a replay beside served calls raised:
+    the signature is compiled by its first call, as if never recorded."""
+    error = None if future.cancelled() else future.exception()
+    if error is not None:
+      logger.warning('%s; the calls of that signature compile it themselves',
+                     error)
 
   def _replay_next_beside(self) -> None:
     """Starts the next recorded signature's replay on the compile pool once
