@@ -62,14 +62,19 @@ def serve_fresh(fn, sizes, w=None, backend='openxla'):
   compiled function."""
   torch._dynamo.reset()
   compiled = torch.compile(fn, backend=backend, dynamic=True)
-  w = torch.randn(8, 4) if w is None else w
+  serve_sizes(compiled, fn, sizes, torch.randn(8, 4) if w is None else w)
+  return compiled
+
+
+def serve_sizes(compiled, fn, sizes, w):
+  """compiled(x, w), x of shape (n, 8), for each n in `sizes`, each result
+  checked against fn on the CPU."""
   for n in sizes:
     x = torch.randn(n, 8)
     torch.testing.assert_close(compiled(xla(x), xla(w)).cpu(),
                                fn(x, w),
                                rtol=1e-4,
                                atol=1e-4)
-  return compiled
 
 
 def cpu_and_xla(make: Callable[[], torch.nn.Module]):

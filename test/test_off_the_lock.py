@@ -12,6 +12,7 @@ import torch
 import torch_xla
 
 import torch_xla_patches
+from bridge_testing import serve_fresh, serve_sizes
 from torch_xla_patches import (TensorSpec, backlog, compile_window, config,
                                donation, execution, io_utils, placeholder_trace,
                                signature_cache, signature_index, tracing)
@@ -478,13 +479,18 @@ def scaled_sum(x, w):
   return torch.tanh(x @ w).sum(dim=0) + x.shape[0]
 
 
-def scaled_sum_calls(compiled, sizes, w):
-  for n in sizes:
-    x = torch.randn(n, 8)
-    torch.testing.assert_close(compiled(xla(x), xla(w)).cpu(),
-                               scaled_sum(x, w),
-                               rtol=1e-4,
-                               atol=1e-4)
+def recorded_beside_served_steps(monkeypatch, tmp_path):
+  """scaled_sum's sizes 3 and 5 recorded in an index in `tmp_path`, dynamo
+  reset (a restart's new graph), and a decode step served on this thread:
+  (w, cpu model, step)."""
+  monkeypatch.setattr(config, 'cache_dir', str(tmp_path))
+  w = torch.randn(8, 4)
+  serve_fresh(scaled_sum, [3, 5], w)
+  signature_index.flush_all_usage()
+  torch._dynamo.reset()
+  cpu, step = compiled_writer('torch.compile')
+  decode_steps(cpu, step, 16, 2, seed=0)
+  return w, cpu, step
 
 
 def test_a_graph_handed_over_beside_served_calls_replays_on_the_pool(
@@ -496,14 +502,7 @@ def test_a_graph_handed_over_beside_served_calls_replays_on_the_pool(
   # first call: held there, the first call of size 3 returns and the other
   # thread's steps complete; once let go, size 5 is a hit.
   import torch_xla.debug.metrics as met
-  monkeypatch.setattr(config, 'cache_dir', str(tmp_path))
-  w = torch.randn(8, 4)
-  scaled_sum_calls(torch.compile(scaled_sum, backend='openxla', dynamic=True),
-                   [3, 5], w)
-  signature_index.flush_all_usage()
-  torch._dynamo.reset()
-  cpu, step = compiled_writer('torch.compile')
-  decode_steps(cpu, step, 16, 2, seed=0)  # served on this thread
+  w, cpu, step = recorded_beside_served_steps(monkeypatch, tmp_path)
 
   submit = signature_cache.SignatureCache._submit
   hold = HeldOffThread(lambda make_entry: make_entry())
@@ -516,8 +515,8 @@ def test_a_graph_handed_over_beside_served_calls_replays_on_the_pool(
   monkeypatch.setattr(signature_cache.SignatureCache, '_submit', submit_held)
   met.clear_all()
   compiled = torch.compile(scaled_sum, backend='openxla', dynamic=True)
-  thread, outcome = call_in_thread(lambda: scaled_sum_calls(compiled, [3], w),
-                                   name='new-graph')
+  thread, outcome = call_in_thread(
+      lambda: serve_sizes(compiled, scaled_sum, [3], w), name='new-graph')
   assert hold.held.wait(FAILURE_BOUND_S)
   thread.join(FAILURE_BOUND_S)
   assert not thread.is_alive() and outcome == {'result': None}, outcome
@@ -527,7 +526,7 @@ def test_a_graph_handed_over_beside_served_calls_replays_on_the_pool(
   assert hold.released_in_time
   assert met.counter_value(backlog.COUNTER_PRECOMPILED) == 1
   misses = met.counter_value('DynamoSignatureMiss')
-  scaled_sum_calls(compiled, [5], w)
+  serve_sizes(compiled, scaled_sum, [5], w)
   assert met.counter_value('DynamoSignatureMiss') == misses
 
 
@@ -537,14 +536,7 @@ def test_a_replay_beside_served_calls_that_raises_fails_no_call(
   # compile pool while a call of size 5 waits for it; that call compiles
   # the signature itself and answers, and the failure is logged.
   import torch_xla.debug.metrics as met
-  monkeypatch.setattr(config, 'cache_dir', str(tmp_path))
-  w = torch.randn(8, 4)
-  scaled_sum_calls(torch.compile(scaled_sum, backend='openxla', dynamic=True),
-                   [3, 5], w)
-  signature_index.flush_all_usage()
-  torch._dynamo.reset()
-  cpu, step = compiled_writer('torch.compile')
-  decode_steps(cpu, step, 16, 2, seed=0)
+  w, cpu, step = recorded_beside_served_steps(monkeypatch, tmp_path)
 
   def broken_replay():
     raise RuntimeError('a broken replay')
@@ -559,8 +551,8 @@ def test_a_replay_beside_served_calls_that_raises_fails_no_call(
 
   monkeypatch.setattr(signature_cache.SignatureCache, '_submit', submit_broken)
   compiled = torch.compile(scaled_sum, backend='openxla', dynamic=True)
-  thread, outcome = call_in_thread(lambda: scaled_sum_calls(compiled, [3], w),
-                                   name='new-graph')
+  thread, outcome = call_in_thread(
+      lambda: serve_sizes(compiled, scaled_sum, [3], w), name='new-graph')
   assert hold.held.wait(FAILURE_BOUND_S)
   thread.join(FAILURE_BOUND_S)
   assert outcome == {'result': None}, outcome
@@ -575,8 +567,8 @@ def test_a_replay_beside_served_calls_that_raises_fails_no_call(
 
   monkeypatch.setattr(concurrent.futures, 'wait', noted_wait)
   met.clear_all()
-  waiting, waited = call_in_thread(lambda: scaled_sum_calls(compiled, [5], w),
-                                   name='size-5')
+  waiting, waited = call_in_thread(
+      lambda: serve_sizes(compiled, scaled_sum, [5], w), name='size-5')
   assert entered.wait(FAILURE_BOUND_S)
   hold.release()
   waiting.join(FAILURE_BOUND_S)
