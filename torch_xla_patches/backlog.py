@@ -222,7 +222,7 @@ class Backlog:
       return
     if first_call and config.precompile_mode == 'sync':
       return
-    self._drain(_Budget(count=1, deadline=None))
+    self.drain_one()
 
   def drain_one(self) -> BacklogReport:
     """Compiles the next queued signature, whatever the mode."""

@@ -176,10 +176,9 @@ class SignatureCache:
     # Replays beside served calls].
     self.last_served_at = float('-inf')
     self.last_served_by: Optional[int] = None
-    # Whether this graph replays beside served calls, its replay in flight
-    # there, and the futures of its replays a waiting call may hold.
+    # Whether this graph replays beside served calls, and the futures of
+    # those replays that a compile or a waiting call still holds.
     self._replays_beside = False
-    self._replay_in_flight: Optional[concurrent.futures.Future] = None
     self._replays: 'weakref.WeakSet[concurrent.futures.Future]' = (
         weakref.WeakSet())
     if config.cache_dir:
@@ -454,16 +453,14 @@ class SignatureCache:
     key = self.key_of(args)
     if key in self.entries or self._compiling(key) is not None:
       return False
-    if execution.compiling_only():
+    if execution.compiling_only() or self._replays_beside:
       # The first call of a warm-up (see [Note: Compile-only calls] in
       # execution.py): the recorded signatures compile on the pool, as its
-      # buckets do, and the warm-up waits for them.
+      # buckets do, and the warm-up waits for them. So do a replay's beside
+      # served calls, which no one waits for.
       self._compile_in_background(args)
-      return True
-    if self._replays_beside:
-      self._compile_in_background(args)
-      in_flight = self._replay_in_flight = self.compiling.get(key)
-      if in_flight is not None:
+      in_flight = self.compiling.get(key)
+      if self._replays_beside and in_flight is not None:
         self._replays.add(in_flight)
         in_flight.add_done_callback(self._replay_done)
       return True
@@ -562,11 +559,8 @@ class SignatureCache:
   def _replay_next_beside(self) -> None:
     """Starts the next recorded signature's replay on the compile pool once
     the one before is compiled (see [Note: Replays beside served calls])."""
-    in_flight = self._replay_in_flight
-    if in_flight is not None and not in_flight.done():
-      return
-    self._replay_in_flight = None
-    self.backlog.drain_one()
+    if all(replay.done() for replay in list(self._replays)):
+      self.backlog.drain_one()
 
   def queue_index_records(self, live_args: Sequence[Any]) -> None:
     """Queues what the signature index recorded for this graph."""
