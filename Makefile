@@ -64,8 +64,14 @@ demo: $(STAMP)
 
 # PYTEST_ARGS: e.g. test/test_patching.py, or -k name.
 PYTEST_ARGS ?= test
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist), each taking a
+# whole test file at a time, so a file's tests keep their order and their
+# process. 2 matches CI's 2 cores; PYTEST_WORKERS=0 runs every test in
+# pytest's own process (for a debugger, or one quick file).
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) \
+	  --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) tools/bench_dispatch.py

@@ -27,6 +27,8 @@ setup(
     extras_require={
         'test': [
             'pytest',
+            # make test runs the suite on two processes (Makefile).
+            'pytest-xdist',
             'expecttest',
             'hypothesis',
             'yapf==0.40.2',
