@@ -23,13 +23,23 @@ Rows:
 Columns: first token s (from the start of torch.compile or serve() to A's
 first token), p50 step ms (A's forward calls before B starts), worst step
 of A while B's shapes are captured and compiled (A's calls that overlap
-B's generations), B's seconds, and whether every generation of A and B
-gave eager's tokens.
+B's generations), how much of that step an XLA compile of any thread ran
+(torch_xla's CompileTime samples: a sync waits for torch_xla's device lock,
+which a sync holds through its compile), how many of A's steps in that
+window were over the bound, B's seconds, and whether every generation of A
+and B gave eager's tokens.
+
+--gc-freeze: once A's first token is out, move every object Python's cycle
+collector tracks so far out of its reach (gc.freeze()) and make its full
+collections rarer (gc.set_threshold(700, 10, 1000)), as a server may do
+after its warm-up: a full collection stops every thread for as long as it
+scans (docs/threads.md#the-cycle-collector).
 
 The machine may be shared: compare rows of one run.
 """
 import argparse
 import copy
+import gc
 import inspect
 import json
 import os
@@ -110,6 +120,33 @@ def generate(model: Any, ids: torch.Tensor, cache: Any, on: Any,
   return out[:, ids.shape[1]:].cpu().tolist()
 
 
+def compile_intervals(wall_start: float,
+                      perf_start: float) -> List[Tuple[float, float]]:
+  """The XLA compiles of this process (any thread) that torch_xla's
+  CompileTime metric kept, as merged (start, end) on time.perf_counter()'s
+  clock; its samples are (end, wall clock s; length, ns)."""
+  import torch_xla.debug.metrics as met
+  data = met.metric_data('CompileTime')
+  intervals = sorted((end - wall_start + perf_start - length_ns / 1e9,
+                      end - wall_start + perf_start)
+                     for end, length_ns in data[2]) if data else []
+  merged: List[Tuple[float, float]] = []
+  for start, end in intervals:
+    if merged and start <= merged[-1][1]:
+      merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+    else:
+      merged.append((start, end))
+  return merged
+
+
+def overlap(call: Tuple[float, float],
+            intervals: Sequence[Tuple[float, float]]) -> float:
+  """Seconds of `call` that `intervals` (merged) cover."""
+  return sum(
+      max(0.0,
+          min(call[1], end) - max(call[0], start)) for start, end in intervals)
+
+
 class CallLog:
   """(thread id, start, end) of every forward call."""
 
@@ -132,7 +169,16 @@ class CallLog:
     return forward
 
 
-def row(mode: str, tokens: int) -> Dict[str, Any]:
+def freeze_collected_objects() -> None:
+  """What --gc-freeze does: the objects so far are left out of every later
+  collection, and full collections come after 1000 of the middle
+  generation's instead of 10."""
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(700, 10, 1000)
+
+
+def row(mode: str, tokens: int, gc_freeze: bool = False) -> Dict[str, Any]:
   """One row, in this process."""
   import torch_xla
   import transformers
@@ -152,6 +198,7 @@ def row(mode: str, tokens: int) -> Dict[str, Any]:
       for name, shape in shapes.items()
   }
   model = copy.deepcopy(cpu_model).to(device)
+  wall_start = time.time()
   start = time.perf_counter()
   if mode == 'upstream':
     target = torch.compile(model.forward, backend='openxla')
@@ -169,6 +216,8 @@ def row(mode: str, tokens: int) -> Dict[str, Any]:
   cache_a = static_cache(config, 1, device)
   first = generate(model, prompts(*shapes['a']), cache_a, device, 1)
   first_token_s = time.perf_counter() - start
+  if gc_freeze:
+    freeze_collected_objects()
   right = {'a': first == [row[:1] for row in expected['a']], 'b': True}
   errors: List[str] = []
   b_started = threading.Event()
@@ -221,11 +270,19 @@ def row(mode: str, tokens: int) -> Dict[str, Any]:
   b.join()
   a_calls = [(s, e) for t, s, e in log.calls if t == a.ident]
   before = [e - s for s, e in a_calls if e < window[0]][-4 * tokens:]
-  during = [e - s for s, e in a_calls if s < window[1] and e > window[0]]
+  during = [(s, e) for s, e in a_calls if s < window[1] and e > window[0]]
+  p50_ms = statistics.median(before) * 1e3 if before else None
+  worst = max(during, key=lambda call: call[1] - call[0]) if during else None
+  bound_s = max(10 * p50_ms, 25.0) / 1e3 if p50_ms is not None else None
   return {
       'first_token_s': first_token_s,
-      'p50_ms': statistics.median(before) * 1e3 if before else None,
-      'worst_ms': max(during) * 1e3 if during else None,
+      'p50_ms': p50_ms,
+      'worst_ms': (worst[1] - worst[0]) * 1e3 if worst else None,
+      'worst_compiling_ms':
+          (overlap(worst, compile_intervals(wall_start, start)) *
+           1e3 if worst else None),
+      'a_calls_over_bound': (sum(
+          e - s > bound_s for s, e in during) if bound_s is not None else None),
       'a_calls_during': len(during),
       'b_s': window[1] - window[0],
       'loaded': bool(getattr(target, 'loaded', False)),
@@ -235,7 +292,10 @@ def row(mode: str, tokens: int) -> Dict[str, Any]:
   }
 
 
-def run_row(mode: str, tokens: int, cache_dir: str) -> Dict[str, Any]:
+def run_row(mode: str,
+            tokens: int,
+            cache_dir: str,
+            gc_freeze: bool = False) -> Dict[str, Any]:
   """A row in a fresh process of this tool."""
   env = dict(os.environ, PJRT_DEVICE=os.environ.get('PJRT_DEVICE', 'CPU'))
   env[_CACHE_DIR_ENV] = cache_dir
@@ -243,7 +303,7 @@ def run_row(mode: str, tokens: int, cache_dir: str) -> Dict[str, Any]:
       sys.executable, __file__, '--row',
       mode.split()[0] + ('-restart' if 'restart' in mode else ''), '--tokens',
       str(tokens)
-  ]
+  ] + (['--gc-freeze'] if gc_freeze else [])
   done = subprocess.run(command,
                         env=env,
                         capture_output=True,
@@ -263,8 +323,9 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
 def table(results: Dict[str, Dict[str, Any]]) -> List[str]:
   lines = [
       '| row | first token s | p50 step ms | worst step ms while B compiles '
-      '| bound ms | within | B s | tokens = eager (A / B) | errors |',
-      '|---|---:|---:|---:|---:|---|---:|---|---|',
+      '| of which an XLA compile ran, ms | bound ms | within | A steps over '
+      'the bound | B s | tokens = eager (A / B) | errors |',
+      '|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|',
   ]
   for mode, r in results.items():
     p50 = r.get('p50_ms')
@@ -273,7 +334,10 @@ def table(results: Dict[str, Dict[str, Any]]) -> List[str]:
     within = ('yes' if worst is not None and bound is not None and
               worst <= bound else 'no')
     lines.append(f'| {mode} | {_fmt(r.get("first_token_s"))} | {_fmt(p50)} | '
-                 f'{_fmt(worst, 1)} | {_fmt(bound, 1)} | {within} | '
+                 f'{_fmt(worst, 1)} | {_fmt(r.get("worst_compiling_ms"), 1)} | '
+                 f'{_fmt(bound, 1)} | {within} | '
+                 f'{r.get("a_calls_over_bound", "-")} of '
+                 f'{r.get("a_calls_during", "-")} | '
                  f'{_fmt(r.get("b_s"))} | {r.get("tokens_a", False)} / '
                  f'{r.get("tokens_b", False)} | '
                  f'{"; ".join(r.get("errors", [])) or "-"} |')
@@ -289,6 +353,10 @@ def main() -> int:
   parser.add_argument('--rows',
                       default=','.join(ROWS),
                       help='comma-separated, of: ' + ', '.join(ROWS))
+  parser.add_argument('--gc-freeze',
+                      action='store_true',
+                      help='gc.freeze() and rarer full collections after the '
+                      'first token (see above)')
   parser.add_argument('--row', help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.row:
@@ -298,7 +366,7 @@ def main() -> int:
         'serve': 'serve',
         'serve-restart': 'serve'
     }[args.row]
-    print(json.dumps(row(mode, args.tokens)), flush=True)
+    print(json.dumps(row(mode, args.tokens, args.gc_freeze)), flush=True)
     return 0
   tokens = 8 if args.demo else args.tokens
   results: Dict[str, Dict[str, Any]] = {}
@@ -307,13 +375,14 @@ def main() -> int:
       mode = mode.strip()
       if mode not in ROWS:
         parser.error(f'--rows: unknown row {mode!r}; rows are {ROWS}')
-      results[mode] = run_row(mode, tokens, cache_dir)
+      results[mode] = run_row(mode, tokens, cache_dir, args.gc_freeze)
       print(f'{mode}: {json.dumps(results[mode])}', file=sys.stderr)
   print(f'\nA generation server (tiny LlamaForCausalLM, StaticCache of '
         f'{CACHE_LEN}, {tokens} new tokens a generation): thread A '
         f'generates batch 1 while thread B generates batch {NEW_BATCH}, then '
         f'a prompt of {NEW_PROMPT}; buckets: batch 1 and 2, prompt {PROMPT} '
-        f'and one token. Bound: max(10x p50, 25 ms).')
+        f'and one token. Bound: max(10x p50, 25 ms).' +
+        (' gc.freeze() after the first token.' if args.gc_freeze else ''))
   print('\n'.join(table(results)))
   return 0
 
