@@ -184,6 +184,24 @@ def test_calls_complete_while_a_donating_signature_is_made(
       lambda: decode_steps(cpu, step, 32, 3, 1, as_view=step_input == 'view'))
 
 
+@pytest.mark.parametrize('mode', ['serve', 'torch.compile'])
+def test_calls_complete_while_a_view_arguments_copy_is_made(
+    patched_bridge, monkeypatch, mode):
+  # A new signature whose step input is a view stands for it with a copy of
+  # its values, whose sync compiles a program of its own for a shape the
+  # device has not copied before. Held there, on the new shape's thread, it
+  # keeps no other thread's steps waiting: the copy is made with
+  # execution_lock let go ([Note: View copies off the lock] in
+  # placeholder_trace.py). Made under the lock, this thread's steps waited
+  # for it, and the hold was let go only at its bound.
+  cpu, step = compiled_writer(mode)
+  decode_steps(cpu, step, 16, 2, seed=0)  # compiled, and learned
+  hold = HeldOffThread(placeholder_trace.sync_alone)
+  monkeypatch.setattr(placeholder_trace, 'sync_alone', hold)
+  steps_complete_while_held(
+      cpu, step, hold, lambda: decode_steps(cpu, step, 32, 3, 1, as_view=True))
+
+
 @pytest.mark.parametrize('held', ['trace', 'compile', 'sync'])
 def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
     patched_bridge, monkeypatch, held):

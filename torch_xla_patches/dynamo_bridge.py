@@ -101,12 +101,15 @@ def _thread_state_not_shared() -> bool:
 
 
 def detached_trace(
-    xla_model: torch.fx.GraphModule, args: Sequence[Any],
-    layout: ArgLayout) -> Optional[placeholder_trace.DetachedTrace]:
+    xla_model: torch.fx.GraphModule, args: Sequence[Any], layout: ArgLayout,
+    copy_views_off_the_lock: bool) -> Optional[placeholder_trace.DetachedTrace]:
   """A trace and compile of the signature of `args` on placeholders for
   them, which it neither reads nor writes, to run later with no lock (see
   [Note: Traces on placeholders] in placeholder_trace.py); None where the
-  arguments must be traced themselves."""
+  arguments must be traced themselves. The caller holds execution_lock;
+  with `copy_views_off_the_lock` (the signature is marked compiling) the
+  copies of view arguments are made with it let go (see [Note: View copies
+  off the lock] in placeholder_trace.py)."""
   if not placeholder_trace.can_trace_on_placeholders(xla_model, args, layout):
     return None
   if _thread_state_not_shared():
@@ -114,9 +117,15 @@ def detached_trace(
     # thread's autocast or inference mode; grad mode alone is carried over.
     return None
 
+  view_copies = None
+  if copy_views_off_the_lock:
+    with execution.execution_lock_released():
+      view_copies = placeholder_trace.copies_of_views(args,
+                                                      layout.tensor_positions)
   # Made now, under execution_lock, as a trace of the arguments would read
   # them (see [Note: Stand-ins that hold buffers] in placeholder_trace.py).
-  aliases = placeholder_trace.BufferAliases.of(args, layout.tensor_positions)
+  aliases = placeholder_trace.BufferAliases.of(args, layout.tensor_positions,
+                                               view_copies)
 
   def trace_and_compile(on_pool: bool) -> Optional[CompiledGraphEntry]:
     """The compiled entry; None if the trace on placeholders raised or could

@@ -112,6 +112,27 @@ from torch_xla_patches.tracing import (CompiledGraphEntry, TracedGraph,
 #     meanwhile is a race of the caller's, as with any donating run;
 #   * config.trace_on_buffer_aliases off: placeholders for every argument.
 
+# [Note: View copies off the lock]
+# A view argument's stand-in is a copy of its values, synced: for a shape
+# the device has not copied before, that sync compiles a program (15-19 ms
+# for the generation server's (3, 1, 1, 64) attention mask, measured). A
+# call's new signature (SignatureCache.on_miss) makes those copies before
+# BufferAliases.of, with execution_lock let go, so calls of compiled
+# programs on other threads run meanwhile. That is safe because:
+#   * the signature is marked compiling before the lock is let go, so
+#     another call of it waits for this one instead of tracing it too;
+#   * the copy reads the view, which already holds an IR node of its
+#     base's data: a donating run of the base on another thread meanwhile
+#     takes a private copy instead (the data ledger counts the view as a
+#     read, see [Note: Donating in-place updates] in donation.py), and the
+#     copy's sync reads the base's old buffer, which the view keeps;
+#   * the copy is private and holds no alias: the aliases of the other
+#     arguments, and the restores that making them needs, are made after,
+#     with the lock taken back, as [Note: Stand-ins that hold buffers] asks.
+# A compile-only call (a warm-up's, a replay's) makes its copies under the
+# lock, as before: its signature is marked compiling only once its trace is
+# submitted, so letting the lock go could trace it twice.
+
 # Bare names of ops, functions and tensor methods that read their inputs'
 # values on the host, or whose torch_xla kernels run on the CPU for some
 # arguments: a trace or a look-ahead through one runs the graph before it.
@@ -235,6 +256,23 @@ def _copy_of_view(view: torch.Tensor) -> Optional[torch.Tensor]:
   return copy
 
 
+def copies_of_views(
+    args: Sequence[Any],
+    positions: Sequence[int]) -> Dict[int, Optional[torch.Tensor]]:
+  """position -> the copy BufferAliases.of would make of the view argument
+  there (None for one too large), for each view argument at `positions`.
+  Made ahead of BufferAliases.of with execution_lock let go: the copy's
+  sync compiles a program of its own for each new shape (see [Note: View
+  copies off the lock])."""
+  if not config.trace_on_buffer_aliases:
+    return {}
+  return {
+      position: _copy_of_view(args[position])
+      for position in positions
+      if args[position]._is_view()
+  }
+
+
 @dataclasses.dataclass(frozen=True)
 class _Restore:
   """An argument that building its aliases left read (see [Note: Stand-ins
@@ -260,7 +298,14 @@ class BufferAliases:
   marks: Dict[int, DonorHold] = dataclasses.field(default_factory=dict)
 
   @classmethod
-  def of(cls, args: Sequence[Any], positions: Sequence[int]) -> 'BufferAliases':
+  def of(
+      cls,
+      args: Sequence[Any],
+      positions: Sequence[int],
+      view_copies: Optional[Dict[int, Optional[torch.Tensor]]] = None
+  ) -> 'BufferAliases':
+    """`view_copies`: copies_of_views of the same arguments, made before;
+    None makes them here."""
     by_position: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
     restores: Dict[int, _Restore] = {}
     if not config.trace_on_buffer_aliases:
@@ -270,7 +315,9 @@ class BufferAliases:
     held = []
     for position, tensor, flag in zip(positions, tensors, pending):
       if tensor._is_view():
-        copy = _copy_of_view(tensor)  # private: no data info to share
+        # Private: no data info to share.
+        copy = (view_copies[position]
+                if view_copies is not None else _copy_of_view(tensor))
         if copy is not None:
           by_position[position] = (copy, _alias_of(copy))
       elif not (flag or io_utils.is_placeholder(tensor) or

@@ -151,13 +151,15 @@ class SignatureCache:
                layout: ArgLayout,
                trace: Callable[[torch.fx.GraphModule, Sequence[Any], ArgLayout],
                                TracedGraph],
-               detach: Optional[
-                   Callable[[torch.fx.GraphModule, Sequence[Any], ArgLayout],
-                            Optional[DetachedTrace]]] = None):
+               detach: Optional[Callable[
+                   [torch.fx.GraphModule, Sequence[Any], ArgLayout, bool],
+                   Optional[DetachedTrace]]] = None):
     self.graph_id = next(_graph_ids)
     self._trace = trace
     # Makes a trace on placeholders ready, or says None (see [Note: Traces on
-    # placeholders] in placeholder_trace.py).
+    # placeholders] in placeholder_trace.py); its last argument lets it let
+    # execution_lock go while it copies view arguments, where the signature
+    # is marked compiling ([Note: View copies off the lock]).
     self._detach = detach
     self.xla_model = xla_model
     self.layout = layout
@@ -297,7 +299,7 @@ class SignatureCache:
     clock = _CompileClock()
     try:
       entry = None
-      detached = (self._detach(self.xla_model, args, self.layout)
+      detached = (self._detach(self.xla_model, args, self.layout, True)
                   if release_lock and self._detach is not None else None)
       if detached is not None:
         with execution.execution_lock_released():
@@ -344,7 +346,7 @@ class SignatureCache:
     placeholders there, with no lock, where it can be (see [Note: Traces on
     placeholders] in placeholder_trace.py), else now. The caller holds
     execution_lock."""
-    detached = (self._detach(self.xla_model, args, self.layout)
+    detached = (self._detach(self.xla_model, args, self.layout, False)
                 if self._detach is not None else None)
     if detached is not None:
       self._trace_and_compile_in_background(args, detached)
