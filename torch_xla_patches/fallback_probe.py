@@ -12,8 +12,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
 import torch_xla.debug.metrics as metrics
 
 from torch_xla_patches import placeholder_trace
-from torch_xla_patches.torch_internals import (aten_overloads,
-                                               graph_draws_random_numbers)
+from torch_xla_patches.tracing import aten_overloads, graph_draws_random_numbers
 
 # [Note: Fallback ops of this thread]
 # torch_xla counts the ops that fall back to the CPU in counters of the

@@ -21,8 +21,7 @@ import contextlib
 import functools
 import importlib
 import threading
-from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
-                    Tuple, Type)
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 from torch_xla_patches import versions
 
@@ -546,26 +545,3 @@ def pytree() -> Tuple[Callable[[Any], Tuple[List[Any], Any]], Callable[
   Hugging Face's ModelOutput)."""
   return (_attribute('torch.utils._pytree', 'tree_flatten'),
           _attribute('torch.utils._pytree', 'tree_unflatten'))
-
-
-def aten_overloads(graph: Any) -> Iterator[Any]:
-  """The aten overload (a `torch._ops.OpOverload`) each node of the FX graph
-  `graph` calls, where it calls one (a packet calls its default)."""
-  import torch
-  for node in graph.nodes:
-    if node.op != 'call_function':
-      continue
-    target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-      target = target.default
-    if isinstance(target, torch._ops.OpOverload):
-      yield target
-
-
-def graph_draws_random_numbers(graph: Any) -> bool:
-  """Whether a node of the FX graph `graph` is an aten op that draws from
-  the device's random number generator (`torch.Tag.nondeterministic_seeded`):
-  each one a look-ahead runs moves the generator's seed on."""
-  import torch
-  return any(torch.Tag.nondeterministic_seeded in op.tags
-             for op in aten_overloads(graph))

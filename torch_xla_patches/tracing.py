@@ -23,7 +23,6 @@ from torch_xla_patches.donation import (DonorHold, data_id_of,
                                         donor_marks, maybe_read, note_data,
                                         read_since_set, sets_own_donors)
 from torch_xla_patches.execution import sync_alone
-from torch_xla_patches.torch_internals import graph_draws_random_numbers
 from torch_xla_patches.signature import (ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput, tuple_getter)
 
@@ -499,6 +498,27 @@ class TracedGraph:
   # The tensors whose pending IR is the XLA graph to compile; empty when the
   # graph computes nothing (see OutputPlan.num_results).
   graph_tensors: List[torch.Tensor]
+
+
+def aten_overloads(graph: torch.fx.Graph) -> Iterator[torch._ops.OpOverload]:
+  """The aten overload each node of `graph` calls, where it calls one (a
+  packet calls its default)."""
+  for node in graph.nodes:
+    if node.op != 'call_function':
+      continue
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+      target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+      yield target
+
+
+def graph_draws_random_numbers(graph: torch.fx.Graph) -> bool:
+  """Whether a node of `graph` is an aten op that draws from the device's
+  random number generator (`torch.Tag.nondeterministic_seeded`): each one
+  a look-ahead runs moves the generator's seed on."""
+  return any(torch.Tag.nondeterministic_seeded in op.tags
+             for op in aten_overloads(graph))
 
 
 # [Note: Random draws in a trace]
