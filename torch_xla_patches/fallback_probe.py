@@ -3,7 +3,8 @@ the CPU on this thread (see [Note: Fallback ops of this thread]), and which
 would read values, which a look-ahead on placeholders must not run (see
 [Note: Look-ahead on placeholders] in dynamo_bridge.py).
 """
-from typing import (Any, Callable, Dict, List, Optional, Sequence, Set, Tuple)
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
+                    Set, Tuple)
 
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
@@ -12,7 +13,6 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
 import torch_xla.debug.metrics as metrics
 
 from torch_xla_patches import placeholder_trace
-from torch_xla_patches.tracing import aten_overloads, graph_draws_random_numbers
 
 # [Note: Fallback ops of this thread]
 # torch_xla counts the ops that fall back to the CPU in counters of the
@@ -210,7 +210,20 @@ def graph_reads_values(graph: torch.fx.Graph) -> bool:
     return True
   return any(
       _op_reads_values(op._schema.name, op._schema.overload_name)
-      for op in aten_overloads(graph))
+      for op in _aten_overloads(graph))
+
+
+def _aten_overloads(graph: torch.fx.Graph) -> Iterator[torch._ops.OpOverload]:
+  """The aten overload each node of `graph` calls, where it calls one (a
+  packet calls its default)."""
+  for node in graph.nodes:
+    if node.op != 'call_function':
+      continue
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+      target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+      yield target
 
 
 # Backend-free ops without an XLA kernel, by overload: whether a probe on
@@ -307,3 +320,11 @@ def look_ahead_specs(
     else:
       specs.append((arg.shape, arg.dtype))
   return specs
+
+
+def graph_draws_random_numbers(graph: torch.fx.Graph) -> bool:
+  """Whether a node of `graph` is an aten op that draws from the device's
+  random number generator (`torch.Tag.nondeterministic_seeded`): each one
+  a look-ahead runs moves the generator's seed on."""
+  return any(torch.Tag.nondeterministic_seeded in op.tags
+             for op in _aten_overloads(graph))
