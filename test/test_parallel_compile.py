@@ -323,6 +323,25 @@ def test_traces_with_random_ops_give_the_serial_programs(indexed, monkeypatch):
   assert seen[2] == seen[1]
 
 
+def test_a_random_graph_traces_one_program_whatever_was_drawn_before(
+    patched_bridge, tmp_path, monkeypatch):
+  # See [Note: Random draws in a trace] in tracing.py: a draw on the device
+  # that nothing synced yet (another thread's, say) is in the seed's IR
+  # chain when the graph is traced.
+  monkeypatch.setattr(config, 'cache_dir', str(tmp_path))
+  seen = []
+  for draws_before in (0, 2):
+    xm.set_rng_state(1234)
+    pending = [
+        torch.rand(4, device=xm.xla_device()) for _ in range(draws_before)
+    ]
+    compiled = serve_here(sample, [3])
+    seen.append(hashes(the_cache()))
+    del pending, compiled
+  assert len(seen[0]) == 1
+  assert seen[1] == seen[0]
+
+
 class Accumulate(torch.nn.Module):
   """Updates a parameter in place: parameters have static sizes, so it is a
   fixed input of every replay (which traces on zeros: the update changes it

@@ -393,7 +393,7 @@ def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   # donation.py).
   with execution.execution_lock:
     specs = fallback_probe.look_ahead_specs(xla_model, xla_args)
-    twins = ([] if xr.is_spmd() or fallback_probe.graph_draws_random_numbers(
+    twins = ([] if xr.is_spmd() or tracing.graph_draws_random_numbers(
         xla_model.graph) else twins_of_pending_arguments(xla_args))
   execution.sync_pending([pending.twin for pending in twins])
   xla_only = False

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _pop_mode,
 import torch_xla.debug.metrics as metrics
 
 from torch_xla_patches import placeholder_trace
+from torch_xla_patches.tracing import graph_draws_random_numbers
 
 # [Note: Fallback ops of this thread]
 # torch_xla counts the ops that fall back to the CPU in counters of the
@@ -320,11 +321,3 @@ def look_ahead_specs(
     else:
       specs.append((arg.shape, arg.dtype))
   return specs
-
-
-def graph_draws_random_numbers(graph: torch.fx.Graph) -> bool:
-  """Whether a node of `graph` is an aten op that draws from the device's
-  random number generator (`torch.Tag.nondeterministic_seeded`): each one
-  a look-ahead runs moves the generator's seed on."""
-  return any(torch.Tag.nondeterministic_seeded in op.tags
-             for op in _aten_overloads(graph))

@@ -500,6 +500,42 @@ class TracedGraph:
   graph_tensors: List[torch.Tensor]
 
 
+def graph_draws_random_numbers(graph: torch.fx.Graph) -> bool:
+  """Whether a node of `graph` calls an aten op that draws from the device's
+  random number generator (tagged `torch.Tag.nondeterministic_seeded`): each
+  one a trace or a look-ahead runs moves the generator's seed on. A node
+  calling an overload packet counts as calling its default overload."""
+  for node in graph.nodes:
+    if node.op != 'call_function':
+      continue
+    target = getattr(node.target, 'default', node.target)
+    if torch.Tag.nondeterministic_seeded in getattr(target, 'tags', ()):
+      return True
+  return False
+
+
+# [Note: Random draws in a trace]
+# torch_xla builds the seed of each random draw on the device's seed as a
+# chain of IR (a multiply-add per draw since the seed's last data), so a
+# program that draws random numbers has another graph hash for every draw
+# the device saw before its trace since the last sync, another thread's
+# included. A trace of a graph that draws them first ends that chain:
+# `set_rng_state(get_rng_state())` makes the running seed the seed's data,
+# which gives every later draw the value it would have had (the same random
+# numbers) on a chain of its own draws alone. The restart and the trace's
+# draws hold _random_draws_lock, so no two traces' draws interleave: a
+# signature's program is the same whichever order the compile workers
+# trace in, as its serial trace's.
+_random_draws_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _seed_chain_restarted() -> Iterator[None]:
+  with _random_draws_lock:
+    xm.set_rng_state(xm.get_rng_state())
+    yield
+
+
 def trace_graph(
     xla_model: torch.fx.GraphModule,
     args: Sequence[Any],
@@ -517,7 +553,9 @@ def trace_graph(
       args, [i for i in tensor_positions if i not in placeholders])
   if dynamo_debug:
     print(f'Graph Module:\n{xla_model.code}')
-  outputs = _flatten_outputs(xla_model(*args))
+  with (_seed_chain_restarted() if graph_draws_random_numbers(xla_model.graph)
+        else contextlib.nullcontext()):
+    outputs = _flatten_outputs(xla_model(*args))
   # IR/data identity of each argument after the trace, for aliases among
   # outputs and graph inputs.
   position_of_arg_data = {data_id_of(args[i]): i for i in tensor_positions}
