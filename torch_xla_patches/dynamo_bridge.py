@@ -9,6 +9,7 @@ compiled program), fallback_probe.py (the look-ahead's fallback and
 value-reading ops), compile_window.py, signature_cache.py, bound_program.py
 and counters.py. The Notes state what each part guarantees.
 """
+import contextlib
 import logging
 import operator
 import warnings
@@ -117,11 +118,10 @@ def detached_trace(
     # thread's autocast or inference mode; grad mode alone is carried over.
     return None
 
-  view_copies = None
-  if copy_views_off_the_lock:
-    with execution.execution_lock_released():
-      view_copies = placeholder_trace.copies_of_views(args,
-                                                      layout.tensor_positions)
+  with (execution.execution_lock_released()
+        if copy_views_off_the_lock else contextlib.nullcontext()):
+    view_copies = placeholder_trace.copies_of_views(args,
+                                                    layout.tensor_positions)
   # Made now, under execution_lock, as a trace of the arguments would read
   # them (see [Note: Stand-ins that hold buffers] in placeholder_trace.py).
   aliases = placeholder_trace.BufferAliases.of(args, layout.tensor_positions,

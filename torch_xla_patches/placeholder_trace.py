@@ -298,14 +298,9 @@ class BufferAliases:
   marks: Dict[int, DonorHold] = dataclasses.field(default_factory=dict)
 
   @classmethod
-  def of(
-      cls,
-      args: Sequence[Any],
-      positions: Sequence[int],
-      view_copies: Optional[Dict[int, Optional[torch.Tensor]]] = None
-  ) -> 'BufferAliases':
-    """`view_copies`: copies_of_views of the same arguments, made before;
-    None makes them here."""
+  def of(cls, args: Sequence[Any], positions: Sequence[int],
+         view_copies: Dict[int, Optional[torch.Tensor]]) -> 'BufferAliases':
+    """`view_copies`: copies_of_views of the same arguments, made before."""
     by_position: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
     restores: Dict[int, _Restore] = {}
     if not config.trace_on_buffer_aliases:
@@ -316,8 +311,7 @@ class BufferAliases:
     for position, tensor, flag in zip(positions, tensors, pending):
       if tensor._is_view():
         # Private: no data info to share.
-        copy = (view_copies[position]
-                if view_copies is not None else _copy_of_view(tensor))
+        copy = view_copies[position]
         if copy is not None:
           by_position[position] = (copy, _alias_of(copy))
       elif not (flag or io_utils.is_placeholder(tensor) or
