@@ -38,6 +38,19 @@ def generate_cache(config: Any, cache_len: int, on: Any) -> Any:
   return cache
 
 
+def generate_tokens(model: Any, on: Any, cache: Any, ids: torch.Tensor,
+                    new_tokens: int) -> torch.Tensor:
+  """Greedy generate() of `new_tokens` after the prompt `ids` on `cache`
+  (reset first), on the device `on`; the tokens, on the CPU."""
+  cache.reset()
+  with torch.no_grad():
+    return model.generate(ids.to(on),
+                          attention_mask=torch.ones_like(ids).to(on),
+                          max_new_tokens=new_tokens,
+                          do_sample=False,
+                          cache=cache).cpu()
+
+
 def generate_buckets(example: Any, cache_len: int) -> List[Any]:
   """generate()'s two calls of a Llama forward for one row: the prompt,
   then one token against the cache's mask (see docs/serving.md)."""
@@ -68,13 +81,7 @@ def hf_generate_row(mode: str, cache_len: int,
   ids = hf_prompt()
 
   def generate(model, on, cache):
-    cache.reset()
-    with torch.no_grad():
-      return model.generate(ids.to(on),
-                            attention_mask=torch.ones_like(ids).to(on),
-                            max_new_tokens=new_tokens,
-                            do_sample=False,
-                            cache=cache).cpu()
+    return generate_tokens(model, on, cache, ids, new_tokens)
 
   expected = generate(cpu_model, 'cpu', generate_cache(config, cache_len,
                                                        'cpu'))
