@@ -411,3 +411,32 @@ def test_explain_misses_names_the_part_that_differed(monkeypatch, caplog):
 
 if __name__ == '__main__':
   sys.exit(pytest.main([__file__, '-q']))
+
+
+class Double(torch.nn.Module):
+
+  def forward(self, x):
+    return x * 2
+
+
+@pytest.mark.parametrize('front_end', ['torch.compile', 'serve'])
+def test_a_call_leaves_the_readers_of_an_input_updated_in_place(front_end):
+  # See [Note: Syncs that alias nothing] in execution.py: the call syncs its
+  # input's pending update; the reader made before the update keeps the
+  # input's old buffer. With torch_xla's aliasing sync the reader's read
+  # failed ("buffer with shape f32[4] ... is deleted").
+  if front_end == 'serve':
+    from torch_xla_patches import TensorSpec
+    call = torch_xla_patches.serve(Double().to(torch_xla.device()),
+                                   [(TensorSpec((4,)),)])
+  else:
+    call = compile_dynamic(Double())
+  for step in range(3):
+    x = torch.full((4,), float(step), device=torch_xla.device())
+    torch_xla.sync()
+    reader = x + 1
+    x.add_(10)
+    out = call(x)
+    assert reader.cpu().tolist() == [step + 1.0] * 4
+    assert out.cpu().tolist() == [2 * (step + 10.0)] * 4
+    assert x.cpu().tolist() == [step + 10.0] * 4

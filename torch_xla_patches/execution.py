@@ -294,12 +294,24 @@ def sync_alone(tensors: Sequence[torch.Tensor]) -> None:
   """Syncs `tensors` and nothing else (see [Note: Threads]), blocking: each
   becomes device data held by the tensor itself, whether it had pending IR
   or its data sat in an IR node (a tensor just moved to the device); one
-  that is device data already costs nothing."""
+  that is device data already costs nothing.
+
+  [Note: Syncs that alias nothing]
+  With `sync_xla_data=True` torch_xla's sync gives a tensor updated in place
+  (`x.add_(1)`, pending) the buffer of its old value for the new one
+  (input-output aliasing), which is safe at a step barrier only: that sync
+  takes every live tensor, so no pending IR is left to read the old value.
+  A sync of some tensors leaves other tensors' pending IR (`y = x + 1`
+  made before the update) reading a buffer that is gone ("buffer ... is
+  deleted" when `y` is read). So these syncs ask for no aliasing
+  (`sync_xla_data=False`, which still makes each tensor hold its result):
+  an in-place update of an input pending at a call costs a new buffer, as
+  the same tensor read eagerly (`x.cpu()`) does."""
   if tensors:
     torch_xla._XLAC._xla_sync_multi(list(tensors),
                                     devices=[],
                                     wait=True,
-                                    sync_xla_data=True)
+                                    sync_xla_data=False)
 
 
 # The data ledger: what the bridge knows of the device data a lazy tensor
