@@ -585,6 +585,64 @@ def test_a_pending_reader_of_data_the_caller_set_keeps_its_buffer(
   }
 
 
+def data_handles(tensors):
+  return torch_xla._XLAC._get_tensors_handle(list(tensors))
+
+
+@pytest.mark.parametrize('front_end', FRONT_ENDS)
+@pytest.mark.parametrize('when', ['first step', 'after the caller wrote them'])
+def test_each_copied_cache_lets_its_old_buffer_go_before_the_next_is_copied(
+    patched_bridge, monkeypatch, front_end, when):
+  # See [Note: Moving onto a private copy]: a run that copies several
+  # donated caches used to hold every old buffer until it was done, two of
+  # each cache at its start.
+  cpu, served = layer_caches_front_end(front_end)
+  caches = [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)]
+  torch_xla.sync()
+  expected = [torch.zeros(32, 8) for _ in range(2)]
+  if when == 'after the caller wrote them':
+    # Served: the third step is a fast call of a bound program.
+    for seed in range(2):
+      with torch.no_grad():
+        served_step(cpu, served, caches, expected, seed)
+    for cache, reference in zip(caches, expected):
+      cache.add_(1.0)
+      reference.add_(1.0)
+    torch_xla.sync()
+  # A tensor that took the first cache's buffer with copy_ keeps it.
+  kept, kept_reference = synced_copy_of(caches[0]), expected[0].clone()
+  before = data_handles(caches)
+  seen = []
+  copy_of_tensor = donation.private_copy
+
+  def watched_copy(tensor):
+    seen.append(data_handles(caches))
+    return copy_of_tensor(tensor)
+
+  monkeypatch.setattr(donation, 'private_copy', watched_copy)
+  counted_at = donation_counters()
+  with torch.no_grad():
+    served_step(cpu, served, caches, expected, 2)
+  assert donation_counters(since=counted_at) == {
+      bridge_counters.COUNTER_DONATION_COPIED_READ: 2
+  }
+  assert len(seen) == 2
+  assert seen[0] == before
+  # The first cache holds its copy before the second one is copied.
+  assert seen[1][0] != before[0]
+  assert seen[1][1] == before[1]
+  torch.testing.assert_close(kept.cpu(), kept_reference)
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+  # The next step donates the caches as they are: nothing copied.
+  counted_at = donation_counters()
+  with torch.no_grad():
+    served_step(cpu, served, caches, expected, 3)
+  assert donation_counters(since=counted_at) == {}
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+
+
 def copy_of(cache):
   return torch.zeros_like(cache).copy_(cache)
 

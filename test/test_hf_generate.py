@@ -70,7 +70,7 @@ def generate(model, prompts, cache):
 
 def copies_of_donated_tensors(monkeypatch):
   """The (shape, dtype) of each donated tensor a run copies from now on."""
-  from torch_xla_patches import bound_program, donation
+  from torch_xla_patches import donation
   copied = []
   private_copy = donation.private_copy
 
@@ -78,8 +78,8 @@ def copies_of_donated_tensors(monkeypatch):
     copied.append((tuple(tensor.shape), tensor.dtype))
     return private_copy(tensor)
 
+  # Served calls' bound programs copy through donation.move_to_private_copy.
   monkeypatch.setattr(donation, 'private_copy', noting_private_copy)
-  monkeypatch.setattr(bound_program, 'private_copy', noting_private_copy)
   return copied
 
 

@@ -11,7 +11,7 @@ import torch
 from torch_xla._dynamo import config as upstream_config
 from torch_xla_patches.counters import (COUNTER_DONATION_COPIED_READ,
                                         increment_counter)
-from torch_xla_patches.donation import private_copy, read_donations
+from torch_xla_patches.donation import move_to_private_copy, read_donations
 from torch_xla_patches import execution
 from torch_xla_patches.execution import RefusedBeforeRun
 from torch_xla_patches.program_run import run_entry
@@ -130,7 +130,7 @@ class BoundProgram:
       donated = [argument.of(free_args) for _, argument in self._donated]
       for index in read_donations(donated, None, self._copy_if_read):
         increment_counter(COUNTER_DONATION_COPIED_READ, 1)
-        inputs[self._donated[index][0]] = private_copy(donated[index])
+        inputs[self._donated[index][0]] = move_to_private_copy(donated[index])
     return inputs
 
 

@@ -77,8 +77,9 @@ from torch_xla_patches.signature import ArgLayout
 #         its own, so the sync leaves no one else the buffer. It is the one
 #         sync of more than a run's own arguments (see [Note: Threads] in
 #         execution.py).
-#       - any other: replaced for the run by a private copy (counted), and
-#         the buffer stays with whatever may hold it. It has IR (it was read
+#       - any other: moved onto a private copy before the run (counted; see
+#         [Note: Moving onto a private copy]), and the old buffer stays with
+#         whatever may hold it. It has IR (it was read
 #         since its data was set); or its data was noted as read before a
 #         sync dropped its IR (a tensor moved to the device with `to` holds
 #         its data in an IR node until a sync; the sync before a trace and
@@ -457,6 +458,34 @@ def private_copy(tensor: torch.Tensor) -> torch.Tensor:
   return copy
 
 
+def move_to_private_copy(tensor: torch.Tensor) -> torch.Tensor:
+  """What a donating run takes over in place of `tensor`, whose buffer
+  something else may hold: `tensor` itself, moved onto a private copy of its
+  data (see [Note: Moving onto a private copy]); a private copy alone where
+  `tensor` is no functionalization wrapper.
+
+  [Note: Moving onto a private copy]
+  The run donates a private copy, and the argument takes the run's result
+  after it, so the argument's old buffer is left to whatever else holds it.
+  Were the argument to keep that buffer until the run is done, every
+  argument copied for a run (each layer's cache, at a first step on caches
+  the caller set) would be alive twice at the run's start. So each one
+  takes its copy over as the copy is made, before the next is made, as it
+  takes a run's result (take_result: functionalization's storage drops its
+  old base only so), and whatever holds the old buffer (a view's or a
+  pending reader's IR, a tensor that took it with copy_) keeps it, while a
+  buffer nothing else holds goes at once. The copy holds the same values,
+  was synced alone and is held by nothing else: given, in the data ledger.
+  Arguments that share their data with another argument of the run do not
+  move (see prepare_donating_run): the other would move with them, and the
+  run would read the buffer it donates."""
+  copy = private_copy(tensor)
+  if not is_functional(tensor):
+    return copy
+  take_result(tensor, copy)
+  return tensor
+
+
 def prepare_donating_run(entry: 'CompiledGraphEntry',
                          args: Sequence[Any]) -> Sequence[Any]:
   """The arguments to run a donating entry with (see [Note: Donating
@@ -488,7 +517,9 @@ def prepare_donating_run(entry: 'CompiledGraphEntry',
   run_args = list(args)
   for position, counter in copied.items():
     increment_counter(counter, 1)
-    run_args[position] = private_copy(args[position])
+    run_args[position] = (private_copy(args[position])
+                          if counter == COUNTER_DONATION_COPIED else
+                          move_to_private_copy(args[position]))
   return run_args
 
 
