@@ -451,6 +451,12 @@ def private_copy(tensor: torch.Tensor) -> torch.Tensor:
   # asynchronously, which a run then refuses as in flight.
   if (not _was_read(data_id_of(tensor)) and not xr.is_spmd() and
       tensor.dim() > 0):
+    # `cpu()` of device data reads it without waiting: the result of a run
+    # still in flight has no value yet ("Trying to access XLA data while an
+    # async operation is in flight"). The wait takes torch_xla's device
+    # lock, after execution_lock in the lock order ([Note: Threads] in
+    # execution.py).
+    torch_xla._XLAC._xla_wait_device_ops([])
     copy = tensor.cpu().to(tensor.device)
   else:
     copy = torch.clone(tensor)
