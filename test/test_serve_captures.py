@@ -147,6 +147,55 @@ def test_a_restart_loads_every_capture(tmp_path):
   assert 'expected 3 captures' in loaded.reason
 
 
+RESTART_WARM_UP_SCRIPT = '''
+import json, sys
+sys.path.insert(0, {test_dir!r})
+import torch, torch_xla
+import torch_xla_patches
+from torch_xla_patches import config, warmup
+import test_serve_captures as t
+config.serve_capture_delay = 3600.0
+# Whether the warm-up's gate was open as it began each bucket's call.
+gate_open_at_starts = []
+start = warmup.BackgroundWarmUp._start
+
+def noted_start(self, *args, **kwargs):
+  gate_open_at_starts.append(self.gate.is_open)
+  return start(self, *args, **kwargs)
+
+warmup.BackgroundWarmUp._start = noted_start
+torch_xla_patches.apply()
+cpu, model = t.models()
+served = torch_xla_patches.serve(model, t.BUCKETS, cache_dir={cache_dir!r},
+                                 wait=not {restart!r})
+t.check(served, cpu, t.PROMPT)
+assert served.wait_ready(timeout=300)
+t.check(served, cpu, t.STEP)
+print(json.dumps(dict(loaded=served.loaded,
+                      ready=served.readiness().ready,
+                      gate_open_at_starts=gate_open_at_starts)))
+'''
+
+
+def test_a_restarts_warm_up_waits_for_the_first_request(tmp_path):
+  # See [Note: Captures after the first request] in warmup.py: a restart's
+  # warm-up compiled every bucket in front of the first request, whose
+  # syncs waited for those compiles.
+  reports = []
+  for restart in (False, True):
+    reports += run_reports(RESTART_WARM_UP_SCRIPT.format(
+        test_dir=os.path.dirname(os.path.abspath(__file__)),
+        cache_dir=str(tmp_path),
+        restart=restart),
+                           processes=1)
+  first, restart = reports
+  assert (first['loaded'], first['ready']) == (False, 2)
+  # Its gate opened when the first request was answered, before any bucket.
+  assert restart == dict(loaded=True,
+                         ready=2,
+                         gate_open_at_starts=[True, True])
+
+
 def test_a_first_request_waits_for_its_own_capture_alone(
     patched_bridge, monkeypatch):
   # See [Note: The first capture] in serving.py: serve() in the background

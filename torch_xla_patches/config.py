@@ -327,8 +327,10 @@ serve_wait = _flag('serve_wait',
 # On a first start, serve()'s warm-up captures a bucket the captures made so
 # far refuse (a decode step beside a prompt) only once the first request is
 # answered, or, with no request in flight, this many seconds after its other
-# buckets are compiled (see [Note: Captures after the first request] in
-# warmup.py): a first request never waits behind another bucket's capture.
+# buckets are compiled; on a restart, it compiles any bucket only then, the
+# seconds counted from serve()'s return (see [Note: Captures after the first
+# request] in warmup.py): a first request never waits behind another
+# bucket's capture or compile.
 serve_capture_delay = _flag('serve_capture_delay',
                             'XLA_PATCHES_SERVE_CAPTURE_DELAY',
                             2.0,

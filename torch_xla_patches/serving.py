@@ -222,7 +222,8 @@ def _compile_buckets(served: ServedModel,
       then,
       needs_capture,
       capture=served.capture_for,
-      capture_first=next(i for i, b in enumerate(buckets) if b is example))
+      capture_first=next(i for i, b in enumerate(buckets) if b is example),
+      after_first_request=served.loaded)
   # See [Note: Captures after the first request] in warmup.py.
   served.first_request = served.warm_up.gate
   if wait and not served.warm_up.wait():

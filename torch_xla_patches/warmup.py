@@ -246,7 +246,11 @@ class CaptureGate:
   bucket, outside the placeholder call, so a device sync never waits for a
   capture (see [Note: Syncs wait for placeholder graphs] in io_utils.py).
   A restart loads every capture (serve() checks that they accept every
-  bucket), so nothing waits here. The served model tells the gate of its
+  bucket), so no bucket needs one; there the whole warm-up waits at this
+  gate (after_first_request): its compiles hold the device (a sync of a
+  request waits for the warm-up's graphs in flight, see [Note: Syncs wait
+  for placeholder graphs] in io_utils.py), and a first request needs its
+  own compile alone. The served model tells the gate of its
   first request (ServedModel's first_request), once; the warm-up's own
   calls are not requests.
   """
@@ -310,6 +314,8 @@ class BackgroundWarmUp:
     capture_first: the index of the bucket whose capture is made first
       among those that need one (serve()'s example, see [Note: The first
       capture] in serving.py); the others follow in order.
+    after_first_request: every bucket waits at `gate` (a restart's warm-up,
+      see [Note: Captures after the first request]).
   """
 
   def __init__(self,
@@ -321,8 +327,10 @@ class BackgroundWarmUp:
                                                 bool]] = None,
                capture: Optional[Callable[[tuple, Dict[str, Any]],
                                           None]] = None,
-               capture_first: Optional[int] = None):
+               capture_first: Optional[int] = None,
+               after_first_request: bool = False):
     self._call = call
+    self._after_first_request = after_first_request
     self._capture_first = capture_first
     self._specs = list(specs)
     self._tensor_pool = tensor_pool
@@ -373,6 +381,8 @@ class BackgroundWarmUp:
 
   def _run(self) -> None:
     try:
+      if self._after_first_request and not self._stopped:
+        self.gate.wait(config.serve_capture_delay)
       deferred = self._deferred()
       self._finish_compiles(
           self._start_compiles(
