@@ -191,9 +191,7 @@ def test_a_restarts_warm_up_waits_for_the_first_request(tmp_path):
   first, restart = reports
   assert (first['loaded'], first['ready']) == (False, 2)
   # Its gate opened when the first request was answered, before any bucket.
-  assert restart == dict(loaded=True,
-                         ready=2,
-                         gate_open_at_starts=[True, True])
+  assert restart == dict(loaded=True, ready=2, gate_open_at_starts=[True, True])
 
 
 def test_a_first_request_waits_for_its_own_capture_alone(
