@@ -121,6 +121,7 @@ cpu = ServedLM().eval()
 model = ServedLM().to(device).eval()
 model.load_state_dict(cpu.state_dict())
 buckets = [(TensorSpec((b, s), torch.long),) for b in (2, 4) for s in (8, 16)]
+{before_serve}
 served = torch_xla_patches.serve(model, buckets, cache_dir={cache_dir!r})
 report = dict(loaded=served.loaded,
               frames=counters['stats']['unique_graphs'],
@@ -143,8 +144,25 @@ def write_model(directory, source=MODEL_SOURCE):
   return str(directory)
 
 
-def serve_script(model_dir, cache_dir):
-  return SERVE_SCRIPT.format(model_dir=model_dir, cache_dir=cache_dir)
+# Holds each process before serve() until `parties` processes reach it, so
+# that they all look for the artifact before any of them has written it.
+BARRIER = '''
+import os, time
+open(os.path.join({barrier_dir!r}, str(os.getpid())), 'w').close()
+deadline = time.monotonic() + 300
+while len(os.listdir({barrier_dir!r})) < {parties}:
+  assert time.monotonic() < deadline, 'the other processes never came'
+  time.sleep(0.01)
+'''
+
+
+def serve_script(model_dir, cache_dir, barrier_dir=None, parties=0):
+  before_serve = (
+      BARRIER.format(barrier_dir=str(barrier_dir), parties=parties)
+      if barrier_dir else '')
+  return SERVE_SCRIPT.format(model_dir=model_dir,
+                             cache_dir=cache_dir,
+                             before_serve=before_serve)
 
 
 def serve_in_process(model_dir, cache_dir):
@@ -232,11 +250,15 @@ def test_a_fifo_in_place_of_the_artifact_never_stalls_serve(tmp_path):
 def test_two_processes_writing_one_cache_directory(tmp_path):
   model_dir = write_model(tmp_path / 'model')
   cache_dir = str(tmp_path / 'cache')
+  barrier_dir = tmp_path / 'barrier'
+  barrier_dir.mkdir()
   env = dict(os.environ, PJRT_DEVICE='CPU', PYTHONPATH=REPO_ROOT)
+  # Without the barrier, a process slow to import torch_xla found the
+  # artifact the other had already written, and loaded it.
   procs = [
       subprocess.Popen(
           [sys.executable, '-c',
-           serve_script(model_dir, cache_dir)],
+           serve_script(model_dir, cache_dir, barrier_dir, parties=2)],
           env=env,
           stdout=subprocess.PIPE,
           stderr=subprocess.PIPE,
