@@ -109,8 +109,7 @@ def _longest_first(items):
   """`items` with the files of LONGEST_FILES_FIRST first, in its order; a
   file's own tests keep their order."""
   rank = {name: index for index, name in enumerate(LONGEST_FILES_FIRST)}
-  return sorted(items,
-                key=lambda item: rank.get(item.path.name, len(rank)))
+  return sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_collection_modifyitems(config, items):

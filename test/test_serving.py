@@ -157,9 +157,8 @@ while len(os.listdir({barrier_dir!r})) < {parties}:
 
 
 def serve_script(model_dir, cache_dir, barrier_dir=None, parties=0):
-  before_serve = (
-      BARRIER.format(barrier_dir=str(barrier_dir), parties=parties)
-      if barrier_dir else '')
+  before_serve = (BARRIER.format(barrier_dir=str(barrier_dir), parties=parties)
+                  if barrier_dir else '')
   return SERVE_SCRIPT.format(model_dir=model_dir,
                              cache_dir=cache_dir,
                              before_serve=before_serve)
@@ -256,13 +255,14 @@ def test_two_processes_writing_one_cache_directory(tmp_path):
   # Without the barrier, a process slow to import torch_xla found the
   # artifact the other had already written, and loaded it.
   procs = [
-      subprocess.Popen(
-          [sys.executable, '-c',
-           serve_script(model_dir, cache_dir, barrier_dir, parties=2)],
-          env=env,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.PIPE,
-          text=True) for _ in range(2)
+      subprocess.Popen([
+          sys.executable, '-c',
+          serve_script(model_dir, cache_dir, barrier_dir, parties=2)
+      ],
+                       env=env,
+                       stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE,
+                       text=True) for _ in range(2)
   ]
   for proc in procs:
     out, err = proc.communicate(timeout=600)
