@@ -2,6 +2,7 @@
 kept in the artifact (see [Note: One capture per guard set] in
 serving.py)."""
 import os
+import pickle
 import threading
 import time
 
@@ -12,7 +13,8 @@ import torch_xla.debug.metrics as met
 
 import torch_xla_patches
 from torch_xla_patches import (TensorSpec, artifact, config, execution,
-                               fast_dispatch, serialization, serving, warmup)
+                               fast_dispatch, serializable_backend,
+                               serialization, serving, warmup)
 from bridge_testing import errors_at_once, run_reports
 from served_modules import PromptOrStep
 
@@ -315,3 +317,65 @@ def test_a_first_request_that_needs_a_capture_makes_it_once(
   assert len(served.captures()) == 3
   assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 2
   check(served, cpu, PROMPT)
+
+
+def test_a_restart_loads_its_later_captures_as_calls_need_them(
+    patched_bridge, tmp_path, monkeypatch):
+  # See [Note: A restart's captures, one at a time] in serving.py.
+  cpu, model = models()
+  first = torch_xla_patches.serve(model, BUCKETS, cache_dir=tmp_path, wait=True)
+  assert (first.loaded, len(first.captures())) == (False, 2)
+  monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
+  shapes = recorded_captures(monkeypatch)
+  restart = torch_xla_patches.serve(model,
+                                    BUCKETS,
+                                    cache_dir=tmp_path,
+                                    wait=False)
+  # serve() returned with the first capture (the prompt's) loaded.
+  assert (restart.loaded, len(restart.captures()),
+          restart.pending_captures) == (True, 1, 1)
+  # A step, which the first capture's guards refuse, loads the second on its
+  # own thread: nothing is captured again.
+  check(restart, cpu, STEP)
+  assert (len(restart.captures()), restart.pending_captures) == (2, 0)
+  check(restart, cpu, PROMPT)
+  check(restart, cpu, STEP)
+  assert restart.wait_ready(timeout=300)
+  assert shapes == []
+  assert counter(fast_dispatch.COUNTER_CAPTURED_AGAIN) == 1
+  assert counter(fast_dispatch.COUNTER_RETRACE) == 0
+
+
+def test_a_later_capture_that_does_not_load_is_captured_again(
+    patched_bridge, tmp_path, monkeypatch, caplog):
+  cpu, model = models()
+  torch_xla_patches.serve(model, BUCKETS, cache_dir=tmp_path, wait=True)
+  monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
+  shapes = recorded_captures(monkeypatch)
+  deserialize = serializable_backend.deserialize_aot
+  loads = []
+
+  def second_does_not_load(data):
+    loads.append(len(data))
+    if len(loads) == 2:
+      raise pickle.UnpicklingError('a damaged capture')
+    return deserialize(data)
+
+  monkeypatch.setattr(serializable_backend, 'deserialize_aot',
+                      second_does_not_load)
+  restart = torch_xla_patches.serve(model,
+                                    BUCKETS,
+                                    cache_dir=tmp_path,
+                                    wait=False)
+  assert (restart.loaded, restart.pending_captures) == (True, 1)
+  with caplog.at_level('WARNING', logger='torch_xla_patches.serving'):
+    check(restart, cpu, STEP)
+  assert ('ArtifactCorruptError: torch_xla_patches: artifact '
+          f'{restart.artifact} does not unpickle: capture 1: a damaged '
+          'capture; 0 later captures are left too') in caplog.text
+  # The step was captured again, and is served from that capture.
+  assert shapes == [(STEP, False)]
+  assert (len(restart.captures()), restart.pending_captures) == (2, 0)
+  check(restart, cpu, STEP)
+  check(restart, cpu, PROMPT)
+  assert counter(fast_dispatch.COUNTER_RETRACE) == 0

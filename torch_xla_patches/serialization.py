@@ -31,11 +31,13 @@ Limits, on purpose:
 """
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
 import pickle
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
+                    Tuple)
 
 import torch
 
@@ -64,9 +66,9 @@ logger = logging.getLogger('torch_xla_patches.serialization')
 __all__ = [
     'ArtifactCorruptError', 'ArtifactError', 'ArtifactMismatchError',
     'BACKEND_NAME', 'CompiledModel', 'Loaded', 'ServeKeyMismatchError',
-    'XlaSerializableCallable', 'aot_compile', 'load', 'load_captures',
-    'openxla_serializable', 'read_header', 'register_backend', 'save',
-    'save_captures', 'try_load', 'unregister_backend'
+    'XlaSerializableCallable', 'aot_compile', 'capture_loaders', 'load',
+    'load_captures', 'openxla_serializable', 'read_header', 'register_backend',
+    'save', 'save_captures', 'try_load', 'unregister_backend'
 ]
 
 
@@ -386,8 +388,13 @@ def save_captures(captures: Sequence[CompiledModel],
   return path
 
 
-def _check_source(header: ArtifactHeader, model: Any) -> None:
-  parts = source_digest.source_parts(model)
+def _check_source(header: ArtifactHeader,
+                  model: Any,
+                  parts: Optional[Dict[str, str]] = None) -> None:
+  """Raises unless `model`'s source is the one the artifact was saved for;
+  `parts`: its source_parts, where the caller has them (a ServeKey's)."""
+  if parts is None:
+    parts = source_digest.source_parts(model)
   if source_digest.digest(parts) == header.model_source_digest:
     return
   expected = header.model_source_parts
@@ -403,10 +410,14 @@ def _check_source(header: ArtifactHeader, model: Any) -> None:
       f'Differing: {details}. Save the artifact again from this source.')
 
 
-def _read_checked(path: str, model: Any) -> Tuple[ArtifactHeader, bytes]:
+def _read_checked(
+    path: str,
+    model: Any,
+    source_parts: Optional[Dict[str,
+                                str]] = None) -> Tuple[ArtifactHeader, bytes]:
   header, payload = read_header(path)
   header.check_runtime()
-  _check_source(header, model)
+  _check_source(header, model, source_parts)
   if header.module_call != isinstance(model, torch.nn.Module):
     raise ArtifactMismatchError(
         f'torch_xla_patches: the artifact was saved for '
@@ -428,6 +439,10 @@ class Loaded:
   captures: Tuple[CompiledModel, ...]
   # Why it does not load, naming the file; '' when it loads.
   reason: str
+  # The artifact's later captures, not loaded yet (try_load's first_only):
+  # each function loads one, in the order they were made, and raises
+  # ArtifactCorruptError where its capture does not load.
+  pending: Tuple[Callable[[], CompiledModel], ...] = ()
 
 
 def load(path: str,
@@ -468,6 +483,18 @@ def load_captures(
     serve_key: Optional[ServeKey] = None) -> Tuple[CompiledModel, ...]:
   """Every capture an artifact holds (see [Note: One capture per guard set]
   in serving.py), without precompiling; raises as `load` does."""
+  return tuple(load() for load in capture_loaders(path, model, serve_key))
+
+
+def capture_loaders(
+    path: str,
+    model: Any = None,
+    serve_key: Optional[ServeKey] = None
+) -> Tuple[Callable[[], CompiledModel], ...]:
+  """Checks an artifact as `load` does (header, runtime, source, serve key)
+  and returns a function per capture it holds, in the order they were made,
+  that loads that capture (see [Note: A restart's captures, one at a time]
+  in serving.py); raises as `load` does."""
   require_torch_aot_compile('torch_xla_patches.load')
   if model is None:
     raise TypeError('torch_xla_patches.load needs model=: the saved graph '
@@ -475,7 +502,10 @@ def load_captures(
   owner = forward_owner(model)
   if owner is not None:
     model = owner
-  header, payload = _read_checked(os.fspath(path), model)
+  path = os.fspath(path)
+  # A ServeKey's source parts are this model's (ServeKey.of), taken once.
+  header, payload = _read_checked(
+      path, model, serve_key.source if serve_key is not None else None)
   if serve_key is not None:
     differences = serve_key.differences(header.serve_key)
     if differences:
@@ -488,26 +518,40 @@ def load_captures(
       raise pickle.UnpicklingError(
           f'expected {header.captures} captures, found '
           f'{type(payloads).__name__}')
-    aot_fns = [serializable_backend.deserialize_aot(p) for p in payloads]
   except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
     raise ArtifactCorruptError(
         f'torch_xla_patches: artifact {path} does not unpickle: {e}') from None
-  captures = []
-  for aot_fn in aot_fns:
+
+  def load_one(index: int) -> CompiledModel:
+    try:
+      aot_fn = serializable_backend.deserialize_aot(payloads[index])
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+      raise ArtifactCorruptError(
+          f'torch_xla_patches: artifact {path} does not unpickle: capture '
+          f'{index}: {e}') from None
     compiled = CompiledModel(aot_fn, model, header.module_call,
                              header.example_args, owner is not None)
-    compiled.backend_callable.name_source(os.fspath(path))
+    compiled.backend_callable.name_source(path)
     compiled.backend_callable.rebind_lifted(model)
-    captures.append(compiled)
-  return tuple(captures)
+    return compiled
+
+  return tuple(
+      functools.partial(load_one, index) for index in range(len(payloads)))
 
 
-def try_load(path: str, model: Any, serve_key: ServeKey) -> Loaded:
+def try_load(path: str,
+             model: Any,
+             serve_key: ServeKey,
+             first_only: bool = False) -> Loaded:
   """`load_captures` as a value: the loaded captures, or why the file does
   not load. It never raises: serve() traces for a reason (see [Note:
-  Serving restarts])."""
+  Serving restarts]). With `first_only`, only the first capture is loaded
+  and the others are left `pending`."""
   try:
-    return Loaded(load_captures(path, model=model, serve_key=serve_key), '')
+    loaders = capture_loaders(path, model=model, serve_key=serve_key)
+    if first_only:
+      return Loaded((loaders[0](),), '', pending=loaders[1:])
+    return Loaded(tuple(load() for load in loaders), '')
   except ServeKeyMismatchError as e:
     return Loaded((), str(e))
   except Exception as e:  # pylint: disable=broad-except

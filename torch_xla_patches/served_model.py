@@ -48,6 +48,9 @@ class ServedModel:
       None: calls no capture accepts are traced again.
     fallback: with no capture, makes what serves every call where the
       first capture cannot be made (the model compiled with torch.compile).
+    pending: the loaded artifact's later captures, not loaded yet: each
+      function loads one (see [Note: A restart's captures, one at a time]
+      in serving.py).
   """
 
   # More captures than this: the model's guards depend on something that
@@ -60,7 +63,8 @@ class ServedModel:
                artifact: Optional[str],
                loaded: bool,
                capture: Optional[Callable[..., Optional[Any]]] = None,
-               fallback: Optional[Callable[[], Any]] = None):
+               fallback: Optional[Callable[[], Any]] = None,
+               pending: Sequence[Callable[[], Any]] = ()):
     self.model = model
     self.artifact = artifact
     self.loaded = loaded
@@ -97,6 +101,10 @@ class ServedModel:
     # Told of the first request's start and answer, then None (see [Note:
     # Captures after the first request] in warmup.py).
     self.first_request: Optional[Any] = None
+    # The artifact's captures still to load, in order. _pending_lock is held
+    # while one loads; no other lock is held when it is taken.
+    self._pending: List[Callable[[], Any]] = list(pending)
+    self._pending_lock = threading.Lock()
 
   def __reduce__(self):
     # Installed as the module's forward (see [Note: Serving a module's
@@ -106,8 +114,43 @@ class ServedModel:
     return (_served_model_placeholder, (type(self.model).__name__,))
 
   def captures(self) -> List[Any]:
-    """The CompiledModels serving calls, in the order they were made."""
+    """The CompiledModels serving calls, in the order they were made (of
+    the artifact's, those loaded so far: see load_pending)."""
     return [calls.compiled for calls in self._served]
+
+  @property
+  def pending_captures(self) -> int:
+    """How many of the artifact's captures are not loaded yet."""
+    return len(self._pending)
+
+  def load_pending(self) -> None:
+    """Loads every capture of the artifact not loaded yet (see [Note: A
+    restart's captures, one at a time] in serving.py)."""
+    while self._load_next() is not None:
+      pass
+
+  def _load_next(self) -> Optional['ServedCalls']:
+    """Loads the artifact's next capture and serves calls with it; None when
+    none is left. A capture that does not load is said in the log, and the
+    ones after it are left too: calls that none of the others accepts are
+    captured again."""
+    with self._pending_lock:
+      if not self._pending:
+        return None
+      load = self._pending.pop(0)
+      try:
+        compiled = load()
+      except Exception as e:  # pylint: disable=broad-except
+        logger.warning(
+            'torch_xla_patches.serve: %s: %s; %d later captures are left '
+            'too: calls that none of the others accepts are captured again',
+            type(e).__name__, e, len(self._pending))
+        self._pending.clear()
+        return None
+      calls = ServedCalls(compiled, self.model, self._refused)
+      with execution.execution_lock:
+        self._served = self._served + (calls,)
+      return calls
 
   @property
   def calls(self) -> Optional['ServedCalls']:
@@ -177,6 +220,7 @@ class ServedModel:
     static sizes aside (see [Note: The first capture] in serving.py). The
     guards read the model's tensors under the lock (see [Note: What reads
     the model's tensors] in serialization.py)."""
+    self.load_pending()
     with execution.execution_lock:
       return self._accepting(args, kwargs, self._static) is None
 
@@ -247,6 +291,12 @@ class ServedModel:
           'forward; serve the forward to put it in its place: '
           '`model.forward = torch_xla_patches.serve(model.forward, buckets)`')
     calls = self._accepting(args, kwargs, refused_by)
+    while calls is None and self._pending:
+      # The artifact's next capture, loaded by this call if the background
+      # has not loaded it yet.
+      loaded = self._load_next()
+      if loaded is not None and loaded.compiled.guard_check(*args, **kwargs):
+        calls = loaded
     if calls is None:
       calls = self._captured_for(args, kwargs)
     if key is None:
@@ -277,6 +327,7 @@ class ServedModel:
     """A capture of the model on this call, made once: another thread may
     have made it meanwhile (one that `ignoring` accepts does not count).
     None where the model cannot be captured again."""
+    self.load_pending()
     with self._capture_lock:
       calls = self._accepting(args, kwargs, ignoring)
       if calls is not None:

@@ -332,16 +332,47 @@ def _refused_bucket(captures: Sequence[serialization.CompiledModel],
   return None
 
 
-def _load(path: Optional[str], model: torch.nn.Module, key: ServeKey,
-          buckets: Sequence[CallSpec]) -> serialization.Loaded:
-  """The artifact of `key` at `path` if it loads and serves the buckets,
-  else why not (no reason without a cache directory)."""
+# [Note: A restart's captures, one at a time]
+# Loading a capture from the artifact costs about half a second (torch
+# builds its guards again, the graph unpickles), and a restart's artifact
+# holds one per guard set its buckets and requests needed (five or six for
+# a generation server's prompt and step buckets). serve() in the background
+# loads the first (a first request's capture, see [Note: The first
+# capture]) and returns; the served model keeps the others pending
+# (ServedModel.load_pending) and loads them in order:
+#   * where a call's capture is still pending: a call the loaded captures'
+#     guards refuse loads the next ones on its own thread, until one
+#     accepts it, before anything is captured again;
+#   * the warm-up's compile-only calls of the buckets, after the first
+#     request (see [Note: Captures after the first request] in warmup.py),
+#     the same way;
+#   * the rest once the buckets are compiled, on the warm-up's thread.
+# So a restart makes no dynamo frame for any call a capture of the artifact
+# accepts, as when every capture loaded before serve() returned. serve()
+# with wait=True loads every capture first, and replaces an artifact whose
+# captures refuse a bucket (_refused_bucket); in the background such a
+# bucket is captured again by the warm-up, which the artifact does not
+# keep.
+
+
+def _load(path: Optional[str],
+          model: torch.nn.Module,
+          key: ServeKey,
+          buckets: Sequence[CallSpec],
+          first_only: bool = False) -> serialization.Loaded:
+  """The artifact of `key` at `path` if it loads (and, unless
+  `first_only`, serves the buckets), else why not (no reason without a
+  cache directory). With `first_only`, the captures after the first are
+  left pending (see [Note: A restart's captures, one at a time])."""
   if path is None:
     return serialization.Loaded((), '')
   if not os.path.lexists(path):
     return serialization.Loaded((), _why_not_found(path, key))
-  loaded = serialization.try_load(path, model, serve_key=key)
-  if loaded.captures:
+  loaded = serialization.try_load(path,
+                                  model,
+                                  serve_key=key,
+                                  first_only=first_only)
+  if loaded.captures and not first_only:
     refused = _refused_bucket(loaded.captures, buckets)
     if refused is not None:
       return serialization.Loaded((), f'{path} is replaced: {refused}')
@@ -369,7 +400,7 @@ def serve(model: torch.nn.Module,
     return _serve_with_torch_compile(model, module, buckets, wait)
   key = serve_key(module, buckets, forward_call)
   path = artifact_path(cache_dir, key) if cache_dir else None
-  loaded = _load(path, model, key, buckets)
+  loaded = _load(path, model, key, buckets, first_only=not wait)
   captures = loaded.captures
   tensor_pool: Optional[Dict[Any, torch.Tensor]] = None
   if not captures and loaded.reason:
@@ -396,7 +427,8 @@ def serve(model: torch.nn.Module,
                        fallback=functools.partial(torch.compile,
                                                   model,
                                                   backend='openxla',
-                                                  dynamic=True))
+                                                  dynamic=True),
+                       pending=loaded.pending)
 
   if forward_call:
     _as_forward(served, module)
@@ -405,12 +437,14 @@ def serve(model: torch.nn.Module,
     # recorded signatures compile in the background.
     for compiled in captures:
       compiled.backend_callable.compile_in_background()
-  save = None
+  then = None
   if path is not None and not served.loaded:
     # After the buckets: the artifact keeps the signatures they compiled,
     # and the captures made for buckets the first one's guards refused.
-    save = functools.partial(_save, served, path, key)
-  _compile_buckets(served, buckets, tensor_pool, wait, save)
+    then = functools.partial(_save, served, path, key)
+  elif served.pending_captures:
+    then = served.load_pending
+  _compile_buckets(served, buckets, tensor_pool, wait, then)
   return served
 
 
