@@ -1,6 +1,8 @@
 """A bucket the first capture's guards refuse gets a capture of its own,
 kept in the artifact (see [Note: One capture per guard set] in
 serving.py)."""
+import dataclasses
+import hashlib
 import os
 import pickle
 import threading
@@ -379,3 +381,38 @@ def test_a_later_capture_that_does_not_load_is_captured_again(
   check(restart, cpu, STEP)
   check(restart, cpu, PROMPT)
   assert counter(fast_dispatch.COUNTER_RETRACE) == 0
+
+
+@pytest.mark.parametrize('wait', [False, True])
+def test_a_bucket_the_artifacts_captures_refuse_is_captured_again(
+    patched_bridge, tmp_path, monkeypatch, wait):
+  cpu, model = models()
+  first = torch_xla_patches.serve(model, BUCKETS, cache_dir=tmp_path, wait=True)
+  # The artifact with the prompt's capture alone, its key kept.
+  header, payload = artifact.read_header(first.artifact)
+  (prompt_capture, _) = pickle.loads(payload)
+  artifact.write(
+      first.artifact,
+      dataclasses.replace(
+          header,
+          captures=1,
+          payload_sha256=hashlib.sha256(prompt_capture).hexdigest(),
+          payload_size=len(prompt_capture)), prompt_capture)
+  monkeypatch.setattr(config, 'serve_capture_delay', 0.0)
+  shapes = recorded_captures(monkeypatch)
+  restart = torch_xla_patches.serve(model,
+                                    BUCKETS,
+                                    cache_dir=tmp_path,
+                                    wait=wait)
+  assert restart.wait_ready(timeout=300)
+  if wait:
+    # Every capture is checked against the buckets first: the artifact is
+    # traced again and replaced.
+    assert restart.loaded is False
+    assert shapes == [(PROMPT, False), (STEP, False)]
+  else:
+    # The warm-up's call of the step captured it again.
+    assert restart.loaded is True
+    assert shapes == [(STEP, False)]
+  assert len(restart.captures()) == 2
+  check_served_again(restart, cpu)
