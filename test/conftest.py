@@ -84,36 +84,7 @@ def pytest_configure(config):
       f'feature; one of {sorted(FEATURES)} (see conftest.py)')
 
 
-# The files that take longest (worker-seconds in a 2-worker `make test` on
-# 2.9.0, 2026-12-07), started first: the suite runs a whole file per worker
-# (--dist loadfile), and a long file started last keeps one worker busy
-# while the other idles.
-LONGEST_FILES_FIRST = (
-    'test_hf_static_cache.py',
-    'test_hf_generate.py',
-    'test_training_donation.py',
-    'test_spmd.py',
-    'test_serving.py',
-    'test_upstream_patch.py',
-    'test_signature_index.py',
-    'test_serve_signatures.py',
-    'test_donation.py',
-    'test_gpt2_dynamic.py',
-    'test_parallel_compile.py',
-    'test_serialization.py',
-    'test_hf_export_module.py',
-)
-
-
-def _longest_first(items):
-  """`items` with the files of LONGEST_FILES_FIRST first, in its order; a
-  file's own tests keep their order."""
-  rank = {name: index for index, name in enumerate(LONGEST_FILES_FIRST)}
-  return sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 def pytest_collection_modifyitems(config, items):
-  items[:] = _longest_first(items)
   verdicts = {}
   installed = None
   for item in items:
