@@ -321,18 +321,25 @@ def test_a_first_request_that_needs_a_capture_makes_it_once(
   check(served, cpu, PROMPT)
 
 
+def serve_again(model, cache_dir, monkeypatch, wait, capture_delay=3600.0):
+  """(served, the shapes of the captures it makes): serve() on a cache
+  directory a first start wrote."""
+  monkeypatch.setattr(config, 'serve_capture_delay', capture_delay)
+  shapes = recorded_captures(monkeypatch)
+  served = torch_xla_patches.serve(model,
+                                   BUCKETS,
+                                   cache_dir=cache_dir,
+                                   wait=wait)
+  return served, shapes
+
+
 def test_a_restart_loads_its_later_captures_as_calls_need_them(
     patched_bridge, tmp_path, monkeypatch):
   # See [Note: A restart's captures, one at a time] in serving.py.
   cpu, model = models()
   first = torch_xla_patches.serve(model, BUCKETS, cache_dir=tmp_path, wait=True)
   assert (first.loaded, len(first.captures())) == (False, 2)
-  monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
-  shapes = recorded_captures(monkeypatch)
-  restart = torch_xla_patches.serve(model,
-                                    BUCKETS,
-                                    cache_dir=tmp_path,
-                                    wait=False)
+  restart, shapes = serve_again(model, tmp_path, monkeypatch, wait=False)
   # serve() returned with the first capture (the prompt's) loaded.
   assert (restart.loaded, len(restart.captures()),
           restart.pending_captures) == (True, 1, 1)
@@ -352,8 +359,6 @@ def test_a_later_capture_that_does_not_load_is_captured_again(
     patched_bridge, tmp_path, monkeypatch, caplog):
   cpu, model = models()
   torch_xla_patches.serve(model, BUCKETS, cache_dir=tmp_path, wait=True)
-  monkeypatch.setattr(config, 'serve_capture_delay', 3600.0)
-  shapes = recorded_captures(monkeypatch)
   deserialize = serializable_backend.deserialize_aot
   loads = []
 
@@ -365,10 +370,7 @@ def test_a_later_capture_that_does_not_load_is_captured_again(
 
   monkeypatch.setattr(serializable_backend, 'deserialize_aot',
                       second_does_not_load)
-  restart = torch_xla_patches.serve(model,
-                                    BUCKETS,
-                                    cache_dir=tmp_path,
-                                    wait=False)
+  restart, shapes = serve_again(model, tmp_path, monkeypatch, wait=False)
   assert (restart.loaded, restart.pending_captures) == (True, 1)
   with caplog.at_level('WARNING', logger='torch_xla_patches.serving'):
     check(restart, cpu, STEP)
@@ -398,12 +400,11 @@ def test_a_bucket_the_artifacts_captures_refuse_is_captured_again(
           captures=1,
           payload_sha256=hashlib.sha256(prompt_capture).hexdigest(),
           payload_size=len(prompt_capture)), prompt_capture)
-  monkeypatch.setattr(config, 'serve_capture_delay', 0.0)
-  shapes = recorded_captures(monkeypatch)
-  restart = torch_xla_patches.serve(model,
-                                    BUCKETS,
-                                    cache_dir=tmp_path,
-                                    wait=wait)
+  restart, shapes = serve_again(model,
+                                tmp_path,
+                                monkeypatch,
+                                wait=wait,
+                                capture_delay=0.0)
   assert restart.wait_ready(timeout=300)
   if wait:
     # Every capture is checked against the buckets first: the artifact is
