@@ -339,6 +339,15 @@ def test_a_restart_loads_its_later_captures_as_calls_need_them(
   cpu, model = models()
   first = torch_xla_patches.serve(model, BUCKETS, cache_dir=tmp_path, wait=True)
   assert (first.loaded, len(first.captures())) == (False, 2)
+  in_background = []
+  flag = serializable_backend.XlaSerializableCallable.compile_in_background
+
+  def noted_flag(callable_):
+    in_background.append(callable_)
+    flag(callable_)
+
+  monkeypatch.setattr(serializable_backend.XlaSerializableCallable,
+                      'compile_in_background', noted_flag)
   restart, shapes = serve_again(model, tmp_path, monkeypatch, wait=False)
   # serve() returned with the first capture (the prompt's) loaded.
   assert (restart.loaded, len(restart.captures()),
@@ -347,6 +356,9 @@ def test_a_restart_loads_its_later_captures_as_calls_need_them(
   # own thread: nothing is captured again.
   check(restart, cpu, STEP)
   assert (len(restart.captures()), restart.pending_captures) == (2, 0)
+  # The second's first call compiled in the background, as the first's did
+  # (see [Note: Ready at once] in serving.py).
+  assert in_background == [c.backend_callable for c in restart.captures()]
   check(restart, cpu, PROMPT)
   check(restart, cpu, STEP)
   assert restart.wait_ready(timeout=300)

@@ -379,6 +379,17 @@ def _load(path: Optional[str],
   return loaded
 
 
+def _compiling_in_background(
+    load: Callable[[],
+                   serialization.CompiledModel]) -> serialization.CompiledModel:
+  """A pending capture of the artifact (only serve() in the background
+  leaves some), loaded: its first call compiles in the background, as the
+  first capture's does (see [Note: Ready at once])."""
+  compiled = load()
+  compiled.backend_callable.compile_in_background()
+  return compiled
+
+
 def serve(model: torch.nn.Module,
           signatures: Iterable[Any],
           *,
@@ -428,7 +439,10 @@ def serve(model: torch.nn.Module,
                                                   model,
                                                   backend='openxla',
                                                   dynamic=True),
-                       pending=loaded.pending)
+                       pending=[
+                           functools.partial(_compiling_in_background, load)
+                           for load in loaded.pending
+                       ])
 
   if forward_call:
     _as_forward(served, module)
