@@ -477,6 +477,11 @@ def load(path: str,
   return compiled
 
 
+# What a damaged payload raises as it unpickles.
+_UNPICKLING_ERRORS = (pickle.UnpicklingError, EOFError, AttributeError,
+                      ImportError)
+
+
 def load_captures(
     path: str,
     model: Any = None,
@@ -518,14 +523,14 @@ def capture_loaders(
       raise pickle.UnpicklingError(
           f'expected {header.captures} captures, found '
           f'{type(payloads).__name__}')
-  except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+  except _UNPICKLING_ERRORS as e:
     raise ArtifactCorruptError(
         f'torch_xla_patches: artifact {path} does not unpickle: {e}') from None
 
   def load_one(index: int) -> CompiledModel:
     try:
       aot_fn = serializable_backend.deserialize_aot(payloads[index])
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+    except _UNPICKLING_ERRORS as e:
       raise ArtifactCorruptError(
           f'torch_xla_patches: artifact {path} does not unpickle: capture '
           f'{index}: {e}') from None
@@ -549,9 +554,10 @@ def try_load(path: str,
   and the others are left `pending`."""
   try:
     loaders = capture_loaders(path, model=model, serve_key=serve_key)
-    if first_only:
-      return Loaded((loaders[0](),), '', pending=loaders[1:])
-    return Loaded(tuple(load() for load in loaders), '')
+    now = 1 if first_only else len(loaders)
+    return Loaded(tuple(load() for load in loaders[:now]),
+                  '',
+                  pending=loaders[now:])
   except ServeKeyMismatchError as e:
     return Loaded((), str(e))
   except Exception as e:  # pylint: disable=broad-except
