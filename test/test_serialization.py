@@ -1,13 +1,17 @@
 """Saved compiled models: a fresh process loads one with no dynamo frame
 compile, serves old and new shapes equal to eager, and refuses artifacts of
 other versions, other model source, or damaged files."""
+import dataclasses
+import hashlib
 import json
 import os
+import pickle
 import textwrap
 
 import pytest
 import torch
 
+from torch_xla_patches import artifact as artifact_format
 from torch_xla_patches import serialization
 from bridge_testing import run_python
 
@@ -356,6 +360,7 @@ DAMAGE_MESSAGES = {
     'flipped': 'is corrupt: payload SHA-256 ',
     'not_artifact': 'is not a torch_xla_patches artifact (no magic line)',
     'bad_header': 'has a malformed header: ',
+    'no_capture': 'has a malformed header: captures is 0, expected a count ',
 }
 
 
@@ -370,12 +375,24 @@ def test_damaged_file_is_refused(artifact, tmp_path, damage):
     data = data[:-50] + bytes([data[-50] ^ 0xFF]) + data[-49:]
   elif damage == 'not_artifact':
     data = b'\x80\x04hello'
-  else:
+  elif damage == 'bad_header':
     magic_end = data.index(b'\n') + 1
     data = data[:magic_end] + b'{"format_version": 1, "torch_v' + b'\n'
   broken = str(tmp_path / 'broken.xla_aot')
-  with open(broken, 'wb') as f:
-    f.write(data)
+  if damage == 'no_capture':
+    # A header that checks out but for its count: no capture, and an empty
+    # list as the payload.
+    header, _ = artifact_format.read_header(path)
+    empty = pickle.dumps([])
+    artifact_format.write(
+        broken,
+        dataclasses.replace(header,
+                            captures=0,
+                            payload_sha256=hashlib.sha256(empty).hexdigest(),
+                            payload_size=len(empty)), empty)
+  else:
+    with open(broken, 'wb') as f:
+      f.write(data)
   with pytest.raises(serialization.ArtifactCorruptError) as info:
     serialization.load(broken, model=torch.nn.Linear(8, 16))
   assert str(info.value).startswith('torch_xla_patches: ')

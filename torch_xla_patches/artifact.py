@@ -161,6 +161,12 @@ def read_header(path: str) -> Tuple[ArtifactHeader, bytes]:
     raise ArtifactMismatchError(
         f'torch_xla_patches: artifact {path} has format version '
         f'{header.format_version}, expected {FORMAT_VERSION}')
+  if type(header.captures) is not int or header.captures < 1:
+    # Every writer saves at least one capture: a header that says otherwise
+    # was made by hand or damaged, and is said as such, not loaded as none.
+    raise ArtifactCorruptError(
+        f'torch_xla_patches: artifact {path} has a malformed header: '
+        f'captures is {header.captures!r}, expected a count of at least 1')
   payload = data[end + 1:]
   if len(payload) != header.payload_size:
     raise ArtifactCorruptError(
