@@ -424,8 +424,22 @@ def test_a_bucket_the_artifacts_captures_refuse_is_captured_again(
     assert restart.loaded is False
     assert shapes == [(PROMPT, False), (STEP, False)]
   else:
-    # The warm-up's call of the step captured it again.
+    # The warm-up's call of the step captured it again, and the artifact
+    # was written again with both captures.
     assert restart.loaded is True
     assert shapes == [(STEP, False)]
+    assert restart.captures_made == 1
   assert len(restart.captures()) == 2
   check_served_again(restart, cpu)
+  header, _ = artifact.read_header(first.artifact)
+  assert header.captures == 2
+  # The next restart captures nothing: both buckets are the artifact's.
+  again, shapes = serve_again(model,
+                              tmp_path,
+                              monkeypatch,
+                              wait=wait,
+                              capture_delay=0.0)
+  assert again.wait_ready(timeout=300)
+  assert (again.loaded, shapes, again.captures_made,
+          len(again.captures())) == (True, [], 0, 2)
+  check_served_again(again, cpu)

@@ -105,6 +105,9 @@ class ServedModel:
     # while one loads; no other lock is held when it is taken.
     self._pending: List[Callable[[], Any]] = list(pending)
     self._pending_lock = threading.Lock()
+    # How many of the captures this process made (the others, if any, came
+    # from the artifact); counted under _capture_lock.
+    self._captures_made = 0
 
   def __reduce__(self):
     # Installed as the module's forward (see [Note: Serving a module's
@@ -117,6 +120,11 @@ class ServedModel:
     """The CompiledModels serving calls, in the order they were made (of
     the artifact's, those loaded so far: see load_pending)."""
     return [calls.compiled for calls in self._served]
+
+  @property
+  def captures_made(self) -> int:
+    """How many of the captures were made by this process, not loaded."""
+    return self._captures_made
 
   @property
   def pending_captures(self) -> int:
@@ -245,6 +253,7 @@ class ServedModel:
           self.compiled = calls.compiled
           if static:
             self._static = calls
+          self._captures_made += 1
           with execution.execution_lock:
             self._served = (calls,)
         self._fallback = None
@@ -339,6 +348,7 @@ class ServedModel:
       if calls is None:
         return None
       increment_counter(COUNTER_CAPTURED_AGAIN, 1)
+      self._captures_made += 1
       with execution.execution_lock:
         self._served = self._served + (calls,)
       logger.info(

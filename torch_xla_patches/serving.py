@@ -351,8 +351,13 @@ def _refused_bucket(captures: Sequence[serialization.CompiledModel],
 # accepts, as when every capture loaded before serve() returned. serve()
 # with wait=True loads every capture first, and replaces an artifact whose
 # captures refuse a bucket (_refused_bucket); in the background such a
-# bucket is captured again by the warm-up, which the artifact does not
-# keep.
+# bucket is captured again by the warm-up, and once the buckets are
+# compiled the artifact is written again with every capture the process
+# holds (_restart_warmed_up), so the next restart loads that capture too.
+# The same holds where a capture did not load (it and the ones after it
+# are left, see ServedModel._load_next) and calls they would have served
+# were captured again: the artifact written holds the new captures, not the
+# damaged one.
 
 
 def _load(path: Optional[str],
@@ -377,6 +382,20 @@ def _load(path: Optional[str],
     if refused is not None:
       return serialization.Loaded((), f'{path} is replaced: {refused}')
   return loaded
+
+
+def _restart_warmed_up(served: ServedModel, path: str, key: ServeKey) -> None:
+  """What a restart does once its buckets are compiled: the artifact's
+  captures still pending load, and the artifact is written again if this
+  process captured calls its captures refused (see [Note: A restart's
+  captures, one at a time])."""
+  served.load_pending()
+  if served.captures_made:
+    logger.info(
+        'torch_xla_patches.serve: writing %s again: %d of its %d captures '
+        'were made in this process, for calls the loaded ones refused', path,
+        served.captures_made, len(served.captures()))
+    _save(served, path, key)
 
 
 def _compiling_in_background(
@@ -456,8 +475,8 @@ def serve(model: torch.nn.Module,
     # After the buckets: the artifact keeps the signatures they compiled,
     # and the captures made for buckets the first one's guards refused.
     then = functools.partial(_save, served, path, key)
-  elif served.pending_captures:
-    then = served.load_pending
+  elif path is not None:
+    then = functools.partial(_restart_warmed_up, served, path, key)
   _compile_buckets(served, buckets, tensor_pool, wait, then)
   return served
 
