@@ -11,6 +11,7 @@ import torch._dynamo
 import torch_xla
 import torch_xla.debug.metrics as met
 
+import fork_server
 from torch_xla_patches import backlog
 from torch_xla_patches import counters as bridge_counters
 
@@ -87,12 +88,18 @@ def cpu_and_xla(make: Callable[[], torch.nn.Module]):
 
 
 def run_python(code: str, env: Dict[str, str] = None, timeout: int = 600):
-  """Runs `code` in a fresh interpreter; returns the CompletedProcess."""
+  """Runs `code` in a fresh process, forked from a fork server where its
+  environment allows (see [Note: Forked child processes] in
+  fork_server.py), else in a fresh interpreter; returns the
+  CompletedProcess."""
   full_env = dict(os.environ)
   full_env.setdefault('PJRT_DEVICE', 'CPU')
   full_env['PYTHONPATH'] = os.pathsep.join(
       [REPO_ROOT, full_env.get('PYTHONPATH', '')])
   full_env.update(env or {})
+  forked = fork_server.run(code, full_env, timeout)
+  if forked is not None:
+    return forked
   return subprocess.run([sys.executable, '-c', code],
                         env=full_env,
                         capture_output=True,

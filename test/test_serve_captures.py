@@ -412,12 +412,17 @@ def test_a_bucket_the_artifacts_captures_refuse_is_captured_again(
           captures=1,
           payload_sha256=hashlib.sha256(prompt_capture).hexdigest(),
           payload_size=len(prompt_capture)), prompt_capture)
-  restart, shapes = serve_again(model,
-                                tmp_path,
-                                monkeypatch,
-                                wait=wait,
-                                capture_delay=0.0)
-  assert restart.wait_ready(timeout=300)
+
+  def ready_restart():
+    served, shapes = serve_again(model,
+                                 tmp_path,
+                                 monkeypatch,
+                                 wait=wait,
+                                 capture_delay=0.0)
+    assert served.wait_ready(timeout=300)
+    return served, shapes
+
+  restart, shapes = ready_restart()
   if wait:
     # Every capture is checked against the buckets first: the artifact is
     # traced again and replaced.
@@ -434,12 +439,7 @@ def test_a_bucket_the_artifacts_captures_refuse_is_captured_again(
   header, _ = artifact.read_header(first.artifact)
   assert header.captures == 2
   # The next restart captures nothing: both buckets are the artifact's.
-  again, shapes = serve_again(model,
-                              tmp_path,
-                              monkeypatch,
-                              wait=wait,
-                              capture_delay=0.0)
-  assert again.wait_ready(timeout=300)
+  again, shapes = ready_restart()
   assert (again.loaded, shapes, again.captures_made,
           len(again.captures())) == (True, [], 0, 2)
   check_served_again(again, cpu)

@@ -1,0 +1,99 @@
+"""The fork server the tests' child processes come from: a forked child
+answers as a fresh interpreter does (see [Note: Forked child processes] in
+fork_server.py)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fork_server
+from bridge_testing import REPO_ROOT
+
+ENV = dict(os.environ, PJRT_DEVICE='CPU', PYTHONPATH=REPO_ROOT)
+
+# What a child can see of its process, printed as one line.
+INTROSPECT = '''
+import os, sys
+print(sys.argv, sys.path[:3], os.getcwd(), __name__, '__file__' in globals(),
+      os.environ.get('XLA_PATCHES_PROBE'), os.environ.get('PYTHONHASHSEED'),
+      os.environ.get('PYTHONPATH'), sorted(sys.modules).count('torch_xla_patches'))
+'''
+
+
+def fresh(code, env=ENV, timeout=120):
+  """`code` in a fresh interpreter, as run_python runs it without a fork
+  server."""
+  return subprocess.run([sys.executable, '-c', code],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout)
+
+
+def forked(code, env=ENV, timeout=120):
+  proc = fork_server.run(code, env, timeout)
+  assert proc is not None, 'the fork server did not take a forkable request'
+  return proc
+
+
+@pytest.mark.parametrize(
+    'code',
+    [
+        INTROSPECT,
+        # Exit statuses: SystemExit with a number, with text, and an error.
+        'import sys; print("out"); sys.stderr.write("err\\n"); sys.exit(3)',
+        'raise SystemExit("text goes to stderr")',
+        'raise ValueError("boom")',
+        # Threads that are not daemons finish, and atexit handlers run,
+        # before the process exits; what they print is kept.
+        '''
+import atexit, threading, time
+atexit.register(lambda: print('atexit ran', flush=True))
+threading.Thread(target=lambda: (time.sleep(0.5), print('thread ran'))).start()
+''',
+        # Windows line ends come out as a text-mode pipe gives them.
+        'import sys; sys.stdout.write("a\\r\\nb\\rc\\n")',
+    ])
+def test_a_forked_child_answers_as_a_fresh_interpreter(tmp_path, monkeypatch,
+                                                       code):
+  monkeypatch.chdir(tmp_path)
+  env = dict(ENV, XLA_PATCHES_PROBE='7')
+  expected, got = fresh(code, env), forked(code, env)
+  assert got.returncode == expected.returncode
+  assert got.stdout == expected.stdout
+  # A traceback names the server's frame that ran the code, above the code's
+  # own, where a fresh interpreter names none; the rest is the same.
+  assert got.stderr.splitlines()[-2:] == expected.stderr.splitlines()[-2:]
+
+
+def test_pythonpath_is_the_requests():
+  code = 'import sys, os; print(sys.path[:4], os.environ["PYTHONPATH"])'
+  env = dict(ENV, PYTHONPATH=os.pathsep.join(['/nowhere/a', '', 'rel', '']))
+  assert forked(code, env).stdout == fresh(code, env).stdout
+
+
+def test_consecutive_children_hash_strings_differently():
+  # A first start and its restart are two processes with their own hash
+  # seeds: nothing a restart test checks may depend on sharing one.
+  code = 'print(hash("torch_xla_patches"))'
+  hashes = [forked(code).stdout for _ in range(4)]
+  assert hashes[0] != hashes[1] and hashes[1] != hashes[2]
+  assert hashes[0] == hashes[2] and hashes[1] == hashes[3]
+
+
+def test_another_environment_is_not_forked():
+  # XLA_COMPILATION_CACHE_SIZE is read by torch_xla's runtime, which the
+  # server may have set up while importing it.
+  env = dict(ENV, XLA_COMPILATION_CACHE_SIZE='2')
+  assert fork_server.run('print(1)', env, 60) is None
+
+
+def test_a_child_past_its_timeout_is_stopped(tmp_path):
+  marker = tmp_path / 'still_running'
+  code = f'import time; time.sleep(3); open({str(marker)!r}, "w").close()'
+  with pytest.raises(subprocess.TimeoutExpired):
+    fork_server.run(code, ENV, 1)
+  # Well past the child's sleep: it was killed, not left running.
+  assert forked('import time; time.sleep(4)').returncode == 0
+  assert not marker.exists()
