@@ -3,14 +3,13 @@ already imported torch and torch_xla.
 
 [Note: Forked child processes]
 Restart tests run Python in a fresh process, and each such process spends
-most of its life importing torch and torch_xla (7 s on a quiet 2-core
-machine, 20 s under load) before the few seconds it is there for. A fork
-server imports them once and forks a child per request, which then runs the
-request's code as `python -c` would, as the process's `__main__`, and exits
-as its interpreter would (threads that are not daemons joined, atexit
-handlers run, streams flushed), except that it skips the teardown of its
-modules: 2 to 3 s of CPU in a process that imported torch, and nothing a
-test looks at.
+most of its life importing torch and torch_xla before the few seconds it is
+there for (figures in CONTRIBUTING.md). A fork server imports them once and
+forks a child per request, which then runs the request's code as `python
+-c` would, as the process's `__main__`, and exits as its interpreter would
+(threads that are not daemons joined, atexit handlers run, streams
+flushed), except that it skips the teardown of its modules, which costs
+seconds of CPU once torch is imported and shows a test nothing.
 
 What makes a forked child a fresh process for the tests:
   * The server imports torch and torch_xla and nothing else (not this
@@ -50,7 +49,10 @@ from typing import Dict, List, Optional
 
 # Variables a request may set differently from the server's environment:
 # nothing reads them while torch and torch_xla are imported (this package's
-# flags; the CPU client's device count, read when the client is made).
+# flags; the CPU client's device count, read when the client is made;
+# PYTHONPATH, which the child applies to sys.path itself). Any other
+# variable, XLA_COMPILATION_CACHE_SIZE among them (torch_xla's runtime may
+# read it on import), must equal the server's.
 FORKABLE_ENV_PREFIXES = ('XLA_PATCHES_',)
 FORKABLE_ENV = ('CPU_NUM_DEVICES', 'HYPOTHESIS_PROFILE', 'PYTHONPATH')
 
