@@ -114,7 +114,11 @@ def serve(path: str) -> dict:
   waiting: Dict[int, socket.socket] = {}
   selector = selectors.DefaultSelector()
   selector.register(listener, selectors.EVENT_READ)
+  client = os.getppid()
   while True:
+    if os.getppid() != client:
+      # The pytest process is gone without closing the server.
+      sys.exit(0)
     for _ in selector.select(_POLL_SECONDS):
       connection, _ = listener.accept()
       try:
