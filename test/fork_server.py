@@ -50,11 +50,13 @@ from typing import Dict, List, Optional
 # Variables a request may set differently from the server's environment:
 # nothing reads them while torch and torch_xla are imported (this package's
 # flags; the CPU client's device count, read when the client is made;
-# PYTHONPATH, which the child applies to sys.path itself). Any other
+# PYTHONPATH, which the child applies to sys.path itself; the test pytest is
+# running, which it sets per test). Any other
 # variable, XLA_COMPILATION_CACHE_SIZE among them (torch_xla's runtime may
 # read it on import), must equal the server's.
 FORKABLE_ENV_PREFIXES = ('XLA_PATCHES_',)
-FORKABLE_ENV = ('CPU_NUM_DEVICES', 'HYPOTHESIS_PROFILE', 'PYTHONPATH')
+FORKABLE_ENV = ('CPU_NUM_DEVICES', 'HYPOTHESIS_PROFILE', 'PYTHONPATH',
+                'PYTEST_CURRENT_TEST')
 
 _POLL_SECONDS = 0.05
 

@@ -97,3 +97,13 @@ def test_a_child_past_its_timeout_is_stopped(tmp_path):
   # Well past the child's sleep: it was killed, not left running.
   assert forked('import time; time.sleep(4)').returncode == 0
   assert not marker.exists()
+
+
+def test_children_of_every_test_are_forked():
+  # pytest names the running test in the environment, which the child sees
+  # as a fresh interpreter would: the servers made for one test fork for
+  # the next.
+  code = 'import os; print(os.environ["PYTEST_CURRENT_TEST"])'
+  for test in ('test_one (call)', 'test_two (call)'):
+    assert forked(code, dict(ENV,
+                             PYTEST_CURRENT_TEST=test)).stdout == (test + '\n')
