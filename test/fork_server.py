@@ -51,18 +51,26 @@ from typing import Dict, List, Optional
 # nothing reads them while torch and torch_xla are imported (this package's
 # flags; the CPU client's device count, read when the client is made;
 # PYTHONPATH, which the child applies to sys.path itself; the test pytest is
-# running, which it sets per test). Any other
+# running, which it sets per test; inductor's cache directory, which torch
+# sets in the environment the first time a compile asks for it). Any other
 # variable, XLA_COMPILATION_CACHE_SIZE among them (torch_xla's runtime may
 # read it on import), must equal the server's.
 FORKABLE_ENV_PREFIXES = ('XLA_PATCHES_',)
 FORKABLE_ENV = ('CPU_NUM_DEVICES', 'HYPOTHESIS_PROFILE', 'PYTHONPATH',
-                'PYTEST_CURRENT_TEST')
+                'PYTEST_CURRENT_TEST', 'TORCHINDUCTOR_CACHE_DIR')
 
 _POLL_SECONDS = 0.05
 
 
 def _forkable(name: str) -> bool:
   return name in FORKABLE_ENV or name.startswith(FORKABLE_ENV_PREFIXES)
+
+
+def forks_as_fresh(server_env: Dict[str, str], env: Dict[str, str]) -> bool:
+  """Whether a child with `env`, forked from a server started with
+  `server_env`, is the process a fresh interpreter with `env` would be."""
+  names = set(env) | set(server_env)
+  return all(env.get(n) == server_env.get(n) or _forkable(n) for n in names)
 
 
 def _receive(connection: socket.socket) -> tuple:
@@ -188,8 +196,7 @@ class ForkServer:
 
   def forkable(self, env: Dict[str, str]) -> bool:
     """Whether a child with `env` is a fresh process when forked here."""
-    names = set(env) | set(self.env)
-    return all(env.get(n) == self.env.get(n) or _forkable(n) for n in names)
+    return forks_as_fresh(self.env, env)
 
   def _wait_ready(self) -> bool:
     with self._ready_lock:

@@ -10,7 +10,17 @@ import pytest
 import fork_server
 from bridge_testing import REPO_ROOT
 
-ENV = dict(os.environ, PJRT_DEVICE='CPU', PYTHONPATH=REPO_ROOT)
+
+def child_env(**variables):
+  """A child's environment as run_python makes it, from the environment at
+  the time of the call (which the tests before may have changed: torch sets
+  inductor's cache directory there on a first compile)."""
+  return {
+      **os.environ, 'PJRT_DEVICE': 'CPU',
+      'PYTHONPATH': REPO_ROOT,
+      **variables
+  }
+
 
 # What a child can see of its process, printed as one line.
 INTROSPECT = '''
@@ -21,7 +31,7 @@ print(sys.argv, sys.path[:3], os.getcwd(), __name__, '__file__' in globals(),
 '''
 
 
-def fresh(code, env=ENV, timeout=120):
+def fresh(code, env, timeout=120):
   """`code` in a fresh interpreter, as run_python runs it without a fork
   server."""
   return subprocess.run([sys.executable, '-c', code],
@@ -31,7 +41,8 @@ def fresh(code, env=ENV, timeout=120):
                         timeout=timeout)
 
 
-def forked(code, env=ENV, timeout=120):
+def forked(code, env=None, timeout=120):
+  env = child_env() if env is None else env
   proc = fork_server.run(code, env, timeout)
   assert proc is not None, 'the fork server did not take a forkable request'
   return proc
@@ -58,7 +69,7 @@ threading.Thread(target=lambda: (time.sleep(0.5), print('thread ran'))).start()
 def test_a_forked_child_answers_as_a_fresh_interpreter(tmp_path, monkeypatch,
                                                        code):
   monkeypatch.chdir(tmp_path)
-  env = dict(ENV, XLA_PATCHES_PROBE='7')
+  env = child_env(XLA_PATCHES_PROBE='7')
   expected, got = fresh(code, env), forked(code, env)
   assert got.returncode == expected.returncode
   assert got.stdout == expected.stdout
@@ -69,7 +80,7 @@ def test_a_forked_child_answers_as_a_fresh_interpreter(tmp_path, monkeypatch,
 
 def test_pythonpath_is_the_requests():
   code = 'import sys, os; print(sys.path[:4], os.environ["PYTHONPATH"])'
-  env = dict(ENV, PYTHONPATH=os.pathsep.join(['/nowhere/a', '', 'rel', '']))
+  env = child_env(PYTHONPATH=os.pathsep.join(['/nowhere/a', '', 'rel', '']))
   assert forked(code, env).stdout == fresh(code, env).stdout
 
 
@@ -82,10 +93,29 @@ def test_consecutive_children_hash_strings_differently():
   assert hashes[0] == hashes[2] and hashes[1] == hashes[3]
 
 
+@pytest.mark.parametrize('name, value', [
+    ('PYTEST_CURRENT_TEST', 'test_two (call)'),
+    ('TORCHINDUCTOR_CACHE_DIR', '/tmp/inductor'),
+    ('XLA_PATCHES_SERVE_WAIT', '0'),
+    ('CPU_NUM_DEVICES', '4'),
+    ('PYTHONPATH', '/elsewhere'),
+])
+def test_what_tests_change_in_the_environment_is_forked(name, value):
+  # Variables the suite sets as it goes, or a test passes to its child: the
+  # servers made for the first child fork for every later one.
+  server_env = child_env(PYTEST_CURRENT_TEST='test_one (call)')
+  server_env.pop('TORCHINDUCTOR_CACHE_DIR', None)
+  assert fork_server.forks_as_fresh(server_env, {**server_env, name: value})
+  assert not fork_server.forks_as_fresh(server_env, {
+      **server_env, name: value,
+      'XLA_COMPILATION_CACHE_SIZE': '2'
+  })
+
+
 def test_another_environment_is_not_forked():
   # XLA_COMPILATION_CACHE_SIZE is read by torch_xla's runtime, which the
   # server may have set up while importing it.
-  env = dict(ENV, XLA_COMPILATION_CACHE_SIZE='2')
+  env = child_env(XLA_COMPILATION_CACHE_SIZE='2')
   assert fork_server.run('print(1)', env, 60) is None
 
 
@@ -93,7 +123,7 @@ def test_a_child_past_its_timeout_is_stopped(tmp_path):
   marker = tmp_path / 'still_running'
   code = f'import time; time.sleep(3); open({str(marker)!r}, "w").close()'
   with pytest.raises(subprocess.TimeoutExpired):
-    fork_server.run(code, ENV, 1)
+    fork_server.run(code, child_env(), 1)
   # Well past the child's sleep: it was killed, not left running.
   assert forked('import time; time.sleep(4)').returncode == 0
   assert not marker.exists()
@@ -105,5 +135,5 @@ def test_children_of_every_test_are_forked():
   # the next.
   code = 'import os; print(os.environ["PYTEST_CURRENT_TEST"])'
   for test in ('test_one (call)', 'test_two (call)'):
-    assert forked(code, dict(ENV,
-                             PYTEST_CURRENT_TEST=test)).stdout == (test + '\n')
+    env = child_env(PYTEST_CURRENT_TEST=test)
+    assert forked(code, env).stdout == test + '\n'
