@@ -92,12 +92,12 @@ def run_python(code: str, env: Dict[str, str] = None, timeout: int = 600):
   environment allows (see [Note: Forked child processes] in
   fork_server.py), else in a fresh interpreter; returns the
   CompletedProcess."""
-  full_env = dict(os.environ)
-  full_env.setdefault('PJRT_DEVICE', 'CPU')
-  full_env['PYTHONPATH'] = os.pathsep.join(
-      [REPO_ROOT, full_env.get('PYTHONPATH', '')])
-  full_env.update(env or {})
-  forked = fork_server.run(code, full_env, timeout)
+  usual_env = dict(os.environ)
+  usual_env.setdefault('PJRT_DEVICE', 'CPU')
+  usual_env['PYTHONPATH'] = os.pathsep.join(
+      [REPO_ROOT, usual_env.get('PYTHONPATH', '')])
+  full_env = dict(usual_env, **(env or {}))
+  forked = fork_server.run(code, full_env, timeout, usual_env)
   if forked is not None:
     return forked
   return subprocess.run([sys.executable, '-c', code],

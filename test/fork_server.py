@@ -288,17 +288,20 @@ def _close_servers() -> None:
     server.close()
 
 
-def run(code: str, env: Dict[str, str],
-        timeout: float) -> Optional[subprocess.CompletedProcess]:
+def run(code: str, env: Dict[str, str], timeout: float,
+        usual_env: Dict[str, str]) -> Optional[subprocess.CompletedProcess]:
   """`python -c code` with `env`, forked from one of this process's two
   servers in turn; None where it must run in a fresh interpreter (another
-  environment, a server that did not start, TEST_FORK_SERVER=0)."""
+  environment, a server that did not start, TEST_FORK_SERVER=0).
+  `usual_env` is a child's environment without what the caller set for
+  this one: the servers start with it, so that the environment of one
+  test's child (XLA_COMPILATION_CACHE_SIZE, say) does not keep every later
+  child from forking."""
   if os.environ.get('TEST_FORK_SERVER', '1') == '0':
     return None
   with _servers_lock:
     if not _servers:
-      # The first request's environment is the servers'.
-      base = {n: v for n, v in env.items() if not _forkable(n)}
+      base = {n: v for n, v in usual_env.items() if not _forkable(n)}
       _servers.extend(ForkServer(base) for _ in range(2))
       atexit.register(_close_servers)
     server = _servers[next(_turn) % len(_servers)]

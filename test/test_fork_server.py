@@ -43,7 +43,7 @@ def fresh(code, env, timeout=120):
 
 def forked(code, env=None, timeout=120):
   env = child_env() if env is None else env
-  proc = fork_server.run(code, env, timeout)
+  proc = fork_server.run(code, env, timeout, child_env())
   assert proc is not None, 'the fork server did not take a forkable request'
   return proc
 
@@ -116,14 +116,31 @@ def test_another_environment_is_not_forked():
   # XLA_COMPILATION_CACHE_SIZE is read by torch_xla's runtime, which the
   # server may have set up while importing it.
   env = child_env(XLA_COMPILATION_CACHE_SIZE='2')
-  assert fork_server.run('print(1)', env, 60) is None
+  assert fork_server.run('print(1)', env, 60, child_env()) is None
+
+
+def test_servers_started_for_a_child_of_its_own_environment_fork_others(
+    monkeypatch):
+  # Servers start with the usual environment, not with what the first
+  # child's test set for it: one test's XLA_COMPILATION_CACHE_SIZE must not
+  # keep every later child from forking.
+  servers = []
+  monkeypatch.setattr(fork_server, '_servers', servers)
+  try:
+    env = child_env(XLA_COMPILATION_CACHE_SIZE='2')
+    assert fork_server.run('print(1)', env, 60, child_env()) is None
+    assert len(servers) == 2
+    assert forked('print(2)').stdout == '2\n'
+  finally:
+    for server in servers:
+      server.close()
 
 
 def test_a_child_past_its_timeout_is_stopped(tmp_path):
   marker = tmp_path / 'still_running'
   code = f'import time; time.sleep(3); open({str(marker)!r}, "w").close()'
   with pytest.raises(subprocess.TimeoutExpired):
-    fork_server.run(code, child_env(), 1)
+    fork_server.run(code, child_env(), 1, child_env())
   # Well past the child's sleep: it was killed, not left running.
   assert forked('import time; time.sleep(4)').returncode == 0
   assert not marker.exists()
