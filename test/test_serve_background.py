@@ -198,12 +198,13 @@ compile_window.compile_graph = slow
 model = torch.nn.Linear(8, 8).to(torch_xla.device())
 served = torch_xla_patches.serve(
     model, [(TensorSpec((rows, 8)),) for rows in range(2, 22)], wait=False)
-print('served', served.readiness().ready, flush=True)
+print('served', served.readiness().ready, time.time(), flush=True)
 '''
 
 
 def test_exit_with_compiles_queued_does_not_hang():
-  start = time.perf_counter()
+  # A fresh interpreter, not a forked child: its whole shutdown is what is
+  # checked.
   proc = subprocess.run(
       [sys.executable, '-c', EXIT_SCRIPT],
       capture_output=True,
@@ -213,8 +214,10 @@ def test_exit_with_compiles_queued_does_not_hang():
           **__import__('os').environ, 'PYTHONPATH': REPO_ROOT,
           'XLA_PATCHES_SERVE_WAIT': '0'
       })
-  seconds = time.perf_counter() - start
+  exited = time.time()
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert proc.stdout.startswith('served 0'), proc.stdout
-  # 20 buckets of 2 s each would take 40 s.
+  assert proc.stdout.startswith('served 0 '), proc.stdout
+  # From serve()'s return to the process's end, imports aside (up to 20 s
+  # on a loaded machine): 20 buckets of 2 s each would take 40 s.
+  seconds = exited - float(proc.stdout.split()[2])
   assert seconds < 30, seconds
