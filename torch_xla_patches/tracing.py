@@ -15,6 +15,7 @@ from typing import (Any, Callable, Collection, Dict, Iterator, List, Optional,
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
+import torch_xla.runtime as xr
 
 from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
@@ -263,6 +264,32 @@ class ArgumentsRestore:
   value to put back and no buffer a sync could read: it is not cloned, and
   a placeholder the trace left with IR gets the data of a fresh placeholder,
   which runs nothing.
+
+  [Note: Restores on a mesh]
+  Under SPMD the copy of a clone back into a sharded tensor is a computation
+  (torch_xla puts the tensor's sharding on the update, `custom_sharding`),
+  so its sync runs a program and gives the tensor a new buffer, alive beside
+  the old one: a copy of every cache a trace updated, at each restore. So
+  on a mesh each functionalization wrapper that is no view and holds device
+  data gets a keeper before the trace (_keepers_of): a lazy tensor of its
+  own on that data. The restore gives the wrapper, as its value, a new lazy
+  tensor on the keeper's data, commits that as an update and drops the
+  update log (functionalization's replace and commit, as take_result does):
+  nothing runs, the wrapper holds its old buffer with its sharding, and its
+  views replay the update to the old values. Invariants:
+    * each restore makes its own lazy tensor on the keeper's data, never
+      the keeper itself: the value it gives the wrapper is what a later
+      trace on the wrapper (the donating one) updates in place;
+    * the wrapper then holds its data in an IR node, which a sync of it
+      does not drop (as a run's results under SPMD); the data ledger notes
+      the data as it knew it before the trace: given stays given (what read
+      it meanwhile, the clones, the keeper and the trace's graph, is the
+      bridge's own and let go before any run, and a donating run of data
+      held in an IR node syncs the device's pending IR first), anything
+      else is noted as read, and the next donating run copies it;
+    * on one device the copy back runs nothing already (the copy of a clone
+      is an IR node of the old device data, which the sync makes device
+      data again), and no keeper is made.
   """
   tensors: List[torch.Tensor]
   clones: List[torch.Tensor]
@@ -276,6 +303,10 @@ class ArgumentsRestore:
   # The donor marks the trace holds (see [Note: Donor marks held by traces]
   # in donation.py).
   marks: List[DonorHold] = dataclasses.field(default_factory=list)
+  # Per tensor on a mesh, its keeper or None; empty elsewhere (see [Note:
+  # Restores on a mesh]).
+  keepers: List[Optional[torch.Tensor]] = dataclasses.field(
+      default_factory=list)
 
   @classmethod
   def of(cls, tensors: Sequence[torch.Tensor]) -> 'ArgumentsRestore':
@@ -290,7 +321,8 @@ class ArgumentsRestore:
                clones=[torch.clone(t) for t in tensors],
                read=read,
                had_ir=had_ir,
-               placeholders=placeholders)
+               placeholders=placeholders,
+               keepers=_keepers_of(tensors))
 
   def mark_donor(self, tensor: torch.Tensor) -> None:
     """Marks `tensor`'s buffer as a donor until the restore."""
@@ -300,22 +332,33 @@ class ArgumentsRestore:
     """Copies each clone back into its tensor if the tensor has pending IR,
     or IR the trace left. The copy leaves the tensor's IR a read of its old
     device data; the sync of those tensors alone makes them that device
-    data again, and runs nothing. The data of a tensor `read` before the
-    trace is noted as read: whatever read it may hold its buffer, which a
-    donating run must not take."""
+    data again, and runs nothing. On a mesh a tensor with a keeper gets its
+    data back from it instead (see [Note: Restores on a mesh]). The data of
+    a tensor `read` before the trace is noted as read: whatever read it may
+    hold its buffer, which a donating run must not take."""
     for tensor in self.placeholders:
       if read_since_set(tensor) or True in (
           torch_xla._XLAC._check_tensor_need_materialization([tensor])):
         io_utils.reset_placeholder(tensor)
     flags = torch_xla._XLAC._check_tensor_need_materialization(self.tensors)
-    updated = [
-        (t, c, was_read)
-        for t, c, flag, was_read, had_ir in zip(self.tensors, self.clones,
-                                                flags, self.read, self.had_ir)
-        if flag or (not had_ir and not t._is_view() and read_since_set(t))
-    ]
+    keepers = self.keepers or [None] * len(self.tensors)
+    updated = []
+    kept = []
+    for tensor, clone, flag, was_read, had_ir, keeper in zip(
+        self.tensors, self.clones, flags, self.read, self.had_ir, keepers):
+      if not (flag or (not had_ir and not tensor._is_view() and
+                       read_since_set(tensor))):
+        continue
+      if keeper is None:
+        updated.append((tensor, clone, was_read))
+      else:
+        kept.append((tensor, keeper, was_read))
     # See [Note: Restores and dynamo's compiles].
     with dynamo_compile_lock():
+      for tensor, keeper, _ in kept:
+        torch._functionalize_replace(tensor, _on_device_data_of(keeper))
+        torch._functionalize_commit_update(tensor)
+        torch._functionalize_sync(tensor)
       for tensor, clone, _ in updated:
         tensor.copy_(clone)
       # A donor mark of the bridge's trace would let the sync below hand
@@ -328,10 +371,41 @@ class ArgumentsRestore:
     for tensor, _, was_read in updated:
       if was_read:
         note_data(tensor, given=False)
+    for tensor, _, was_read in kept:
+      note_data(tensor, given=not was_read)
 
   def release(self) -> None:
-    """Lets the clones go."""
+    """Lets the clones and keepers go."""
     del self.clones[:]
+    del self.keepers[:]
+
+
+def _on_device_data_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+  """A new lazy tensor (no functionalization wrapper) on `tensor`'s device
+  data, or None where `tensor` holds none."""
+  with device_data_info_lock:
+    _, values = torch_xla._XLAC._get_tensors_xla_device_data_node([tensor], [])
+  if len(values) != 1:
+    return None
+  value = values[0]
+  if torch._is_functional_tensor(value):
+    value = torch._from_functional_tensor(value)
+  return value
+
+
+def _keepers_of(
+    tensors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+  """On a mesh, the keeper of each of `tensors` that needs one (see [Note:
+  Restores on a mesh]), else None; elsewhere, none."""
+  if not xr.is_spmd() or not tensors:
+    return []
+  pending = torch_xla._XLAC._check_tensor_need_materialization(list(tensors))
+  return [
+      _on_device_data_of(tensor) if
+      (not flag and torch._is_functional_tensor(tensor) and
+       not tensor._is_view()) else None
+      for tensor, flag in zip(tensors, pending)
+  ]
 
 
 def graph_constants(xla_model: torch.fx.GraphModule) -> List[torch.Tensor]:
