@@ -596,6 +596,24 @@ def is_functional(tensor: torch.Tensor) -> bool:
   return torch._is_functional_tensor(tensor)
 
 
+def inner_value(tensor: torch.Tensor) -> torch.Tensor:
+  """The lazy tensor inside the functionalization wrapper `tensor`, or
+  `tensor` itself."""
+  if torch._is_functional_tensor(tensor):
+    return torch._from_functional_tensor(tensor)
+  return tensor
+
+
+def give_back_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
+  """Gives the functionalization wrapper `tensor` the lazy tensor `value`,
+  on the data it held before a trace, as an update its views replay
+  (replace and commit, as take_result does), and drops the update log:
+  nothing runs (see [Note: Restores on a mesh] in tracing.py)."""
+  torch._functionalize_replace(tensor, value)
+  torch._functionalize_commit_update(tensor)
+  torch._functionalize_sync(tensor)
+
+
 def replace_functional_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
   """Gives the functionalization wrapper `tensor` the lazy tensor inside
   `value` (or `value` itself) as its value, logging no update: for a value

@@ -21,8 +21,10 @@ from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
 from torch_xla_patches.donation import (DonorHold, data_id_of,
                                         donatable_positions, donor_aliasing,
-                                        donor_marks, maybe_read, note_data,
-                                        read_since_set, sets_own_donors)
+                                        donor_marks, give_back_value,
+                                        inner_value, is_functional, maybe_read,
+                                        note_data, read_since_set,
+                                        sets_own_donors)
 from torch_xla_patches.execution import sync_alone
 from torch_xla_patches.signature import (ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput, tuple_getter)
@@ -356,9 +358,7 @@ class ArgumentsRestore:
     # See [Note: Restores and dynamo's compiles].
     with dynamo_compile_lock():
       for tensor, keeper, _ in kept:
-        torch._functionalize_replace(tensor, _on_device_data_of(keeper))
-        torch._functionalize_commit_update(tensor)
-        torch._functionalize_sync(tensor)
+        give_back_value(tensor, _on_device_data_of(keeper))
       for tensor, clone, _ in updated:
         tensor.copy_(clone)
       # A donor mark of the bridge's trace would let the sync below hand
@@ -387,10 +387,7 @@ def _on_device_data_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     _, values = torch_xla._XLAC._get_tensors_xla_device_data_node([tensor], [])
   if len(values) != 1:
     return None
-  value = values[0]
-  if torch._is_functional_tensor(value):
-    value = torch._from_functional_tensor(value)
-  return value
+  return inner_value(values[0])
 
 
 def _keepers_of(
@@ -402,8 +399,7 @@ def _keepers_of(
   pending = torch_xla._XLAC._check_tensor_need_materialization(list(tensors))
   return [
       _on_device_data_of(tensor) if
-      (not flag and torch._is_functional_tensor(tensor) and
-       not tensor._is_view()) else None
+      (not flag and is_functional(tensor) and not tensor._is_view()) else None
       for tensor, flag in zip(tensors, pending)
   ]
 
