@@ -609,7 +609,7 @@ def give_back_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
   on the data it held before a trace, as an update its views replay
   (replace and commit, as take_result does), and drops the update log:
   nothing runs (see [Note: Restores on a mesh] in tracing.py)."""
-  torch._functionalize_replace(tensor, value)
+  replace_functional_value(tensor, value)
   torch._functionalize_commit_update(tensor)
   torch._functionalize_sync(tensor)
 
@@ -618,9 +618,7 @@ def replace_functional_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
   """Gives the functionalization wrapper `tensor` the lazy tensor inside
   `value` (or `value` itself) as its value, logging no update: for a value
   that holds the same data, which its views need not replay."""
-  if torch._is_functional_tensor(value):
-    value = torch._from_functional_tensor(value)
-  torch._functionalize_replace(tensor, value)
+  torch._functionalize_replace(tensor, inner_value(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,10 +659,7 @@ def take_twins(twins: Sequence[PendingTwin]) -> None:
     value = torch._from_functional_tensor(pending.tensor)
     if torch_xla._XLAC._xla_get_tensor_id(value) != pending.value_id:
       continue
-    twin = pending.twin
-    if torch._is_functional_tensor(twin):
-      twin = torch._from_functional_tensor(twin)
-    torch._functionalize_replace(pending.tensor, twin)
+    replace_functional_value(pending.tensor, pending.twin)
     note_data(pending.tensor, given=True)
 
 
