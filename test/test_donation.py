@@ -589,13 +589,24 @@ def data_handles(tensors):
   return torch_xla._XLAC._get_tensors_handle(list(tensors))
 
 
+def buffer_of(tensor):
+  """The device data handle `tensor` holds; None while it holds a lazy
+  value (IR), not a buffer."""
+  try:
+    return data_handles([tensor])[0]
+  except RuntimeError as error:
+    assert 'does not have data handle' in str(error)
+    return None
+
+
 @pytest.mark.parametrize('front_end', FRONT_ENDS)
 @pytest.mark.parametrize('when', ['first step', 'after the caller wrote them'])
-def test_each_copied_cache_lets_its_old_buffer_go_before_the_next_is_copied(
+def test_each_copied_cache_lets_its_old_buffer_go_before_its_copy_is_sent(
     patched_bridge, monkeypatch, front_end, when):
   # See [Note: Moving onto a private copy]: a run that copies several
   # donated caches used to hold every old buffer until it was done, two of
-  # each cache at its start.
+  # each cache at its start; then each old buffer until its copy was on the
+  # device, one more of a cache at the peak.
   cpu, served = layer_caches_front_end(front_end)
   caches = [torch.zeros(32, 8, device=torch_xla.device()) for _ in range(2)]
   torch_xla.sync()
@@ -613,24 +624,31 @@ def test_each_copied_cache_lets_its_old_buffer_go_before_the_next_is_copied(
   kept, kept_reference = synced_copy_of(caches[0]), expected[0].clone()
   before = data_handles(caches)
   seen = []
-  copy_of_tensor = donation.private_copy
+  copy_on_device, to_device = donation.private_copy, donation._to_device
 
   def watched_copy(tensor):
-    seen.append(data_handles(caches))
-    return copy_of_tensor(tensor)
+    seen.append(('on the device', [buffer_of(cache) for cache in caches]))
+    return copy_on_device(tensor)
+
+  def watched_to_device(host, device):
+    seen.append(('through the host', [buffer_of(cache) for cache in caches]))
+    return to_device(host, device)
 
   monkeypatch.setattr(donation, 'private_copy', watched_copy)
+  monkeypatch.setattr(donation, '_to_device', watched_to_device)
   counted_at = donation_counters()
   with torch.no_grad():
     served_step(cpu, served, caches, expected, 2)
   assert donation_counters(since=counted_at) == {
       bridge_counters.COUNTER_DONATION_COPIED_READ: 2
   }
-  assert len(seen) == 2
-  assert seen[0] == before
-  # The first cache holds its copy before the second one is copied.
-  assert seen[1][0] != before[0]
-  assert seen[1][1] == before[1]
+  # The first cache, read by `kept`'s copy_, is copied on the device from
+  # its buffer; the second, which the caller set, through the host: it lets
+  # go of its buffer before its copy is sent, once the first holds its copy.
+  assert [how for how, _ in seen] == ['on the device', 'through the host']
+  assert seen[0][1] == before
+  assert seen[1][1][0] not in (None, before[0])
+  assert seen[1][1][1] is None
   torch.testing.assert_close(kept.cpu(), kept_reference)
   for cache, reference in zip(caches, expected):
     torch.testing.assert_close(cache.cpu(), reference)
@@ -641,6 +659,76 @@ def test_each_copied_cache_lets_its_old_buffer_go_before_the_next_is_copied(
   assert donation_counters(since=counted_at) == {}
   for cache, reference in zip(caches, expected):
     torch.testing.assert_close(cache.cpu(), reference)
+
+
+@pytest.mark.parametrize('front_end', FRONT_ENDS)
+def test_a_copy_that_fails_to_reach_the_device_gives_the_values_back(
+    patched_bridge, monkeypatch, front_end):
+  # See [Note: Moving onto a private copy]: between its two halves the cache
+  # holds zeros; a copy the device refuses must not leave them there.
+  cpu, served = layer_caches_front_end(front_end)
+  values = [torch.randn(32, 8) for _ in range(2)]
+  caches = [xla(value) for value in values]
+  torch_xla.sync()
+  for cache in caches:
+    cache.cpu()
+  expected = [value.clone() for value in values]
+  to_device = donation._to_device
+  refusals = [RuntimeError('RESOURCE_EXHAUSTED: out of memory')]
+
+  def refusing_once(host, device):
+    if refusals:
+      raise refusals.pop()
+    return to_device(host, device)
+
+  monkeypatch.setattr(donation, '_to_device', refusing_once)
+  with pytest.raises(RuntimeError, match='RESOURCE_EXHAUSTED'):
+    with torch.no_grad():
+      served_step(cpu, served, caches, [e.clone() for e in expected], 0)
+  for cache, value in zip(caches, values):
+    torch.testing.assert_close(cache.cpu(), value)
+  # The next call answers as if the refused one had never been made.
+  monkeypatch.setattr(donation, '_to_device', to_device)
+  with torch.no_grad():
+    served_step(cpu, served, caches, expected, 0)
+  for cache, reference in zip(caches, expected):
+    torch.testing.assert_close(cache.cpu(), reference)
+
+
+def test_a_host_copy_is_a_copy_of_its_own(patched_bridge):
+  # On the CPU client the values come through a DLPack view of the buffer:
+  # the copy must not be that view.
+  values = torch.randn(32, 8)
+  cache = xla(values)
+  torch_xla.sync()
+  host = donation._host_copy(cache)
+  assert host.device.type == 'cpu'
+  assert host.data_ptr() != torch_xla._XLAC._unsafe_buffer_pointer(cache)
+  cache.add_(1.0)
+  torch_xla.sync()
+  torch.testing.assert_close(host, values)
+  torch.testing.assert_close(cache.cpu(), values + 1)
+
+
+def test_a_copy_the_device_refuses_twice_says_the_values_are_lost(
+    patched_bridge, monkeypatch):
+  cache = xla(torch.randn(32, 8))
+  torch_xla.sync()
+  cache.cpu()
+
+  def refusing(host, device):
+    raise RuntimeError('RESOURCE_EXHAUSTED: out of memory')
+
+  monkeypatch.setattr(donation, '_to_device', refusing)
+  with pytest.raises(donation.PrivateCopyLost) as raised:
+    donation.move_to_private_copy(cache)
+  assert str(raised.value) == (
+      'a donated argument (float32[32, 8]) let go of its buffer to move onto '
+      'a private copy, and neither the copy nor its values could be sent to '
+      'the device again (RESOURCE_EXHAUSTED: out of memory); it holds zeros '
+      'now: set its values again before using it')
+  assert isinstance(raised.value.__cause__, RuntimeError)
+  torch.testing.assert_close(cache.cpu(), torch.zeros(32, 8))
 
 
 def copy_of(cache):

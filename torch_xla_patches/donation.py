@@ -12,6 +12,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Optional, Sequence,
 import torch
 import torch_xla
 import torch_xla.runtime as xr
+import torch_xla.utils.dlpack as xla_dlpack
 
 from torch_xla_patches import config, native
 from torch_xla_patches.counters import (
@@ -435,6 +436,47 @@ def read_donations(tensors: List[torch.Tensor], data_ids: Optional[List[str]],
   return read
 
 
+class PrivateCopyLost(RuntimeError):
+  """A donated argument let go of its buffer to move onto a private copy
+  made through the host, and neither the copy nor the argument's values
+  could be put back on the device (see [Note: Moving onto a private copy])."""
+
+
+def _copies_through_host(tensor: torch.Tensor) -> bool:
+  """Whether `tensor`'s private copy is made through the host."""
+  # A 0-dim tensor sent from the host is a scalar torch_xla transfers
+  # asynchronously, which a run then refuses as in flight.
+  return (not _was_read(data_id_of(tensor)) and not xr.is_spmd() and
+          tensor.dim() > 0)
+
+
+def _buffers_are_host_memory() -> bool:
+  return xr.device_type() == 'CPU'
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+  """`tensor`'s values in a CPU tensor of their own."""
+  # `cpu()` of device data reads it without waiting: the result of a run
+  # still in flight has no value yet ("Trying to access XLA data while an
+  # async operation is in flight"). The wait takes torch_xla's device lock,
+  # after execution_lock in the lock order ([Note: Threads] in
+  # execution.py).
+  torch_xla._XLAC._xla_wait_device_ops([])
+  if _buffers_are_host_memory():
+    # The CPU client's buffers are host memory, which a DLPack view reads
+    # in place: one copy of the values, where `cpu()` holds two at its peak
+    # (an XLA literal, then the tensor made from it).
+    return torch.from_dlpack(xla_dlpack.to_dlpack(tensor)).clone()
+  return tensor.cpu()
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+  """The host copy `host` sent to the XLA `device`, in a buffer of the
+  device's own: a run would not donate a DLPack view of host memory (it
+  writes its result to a new buffer instead)."""
+  return host.to(device)
+
+
 def private_copy(tensor: torch.Tensor) -> torch.Tensor:
   """A copy of `tensor` in a buffer of its own, for a donating run (see
   [Note: Donating in-place updates]). A tensor read since its data was set
@@ -443,21 +485,11 @@ def private_copy(tensor: torch.Tensor) -> torch.Tensor:
   until a sync computes it. Any other (data noted as read before a sync
   dropped its IR, as for a tensor just moved with `to`; data the caller
   set; an alias of another argument) goes through the host, which compiles
-  nothing: XLA
-  compiles a clone per shape, more programs than the calls compile without
-  donation. Under SPMD the copy stays on the device, sharded as the tensor
-  is, and so does a 0-dim tensor."""
-  # A 0-dim tensor sent from the host is a scalar torch_xla transfers
-  # asynchronously, which a run then refuses as in flight.
-  if (not _was_read(data_id_of(tensor)) and not xr.is_spmd() and
-      tensor.dim() > 0):
-    # `cpu()` of device data reads it without waiting: the result of a run
-    # still in flight has no value yet ("Trying to access XLA data while an
-    # async operation is in flight"). The wait takes torch_xla's device
-    # lock, after execution_lock in the lock order ([Note: Threads] in
-    # execution.py).
-    torch_xla._XLAC._xla_wait_device_ops([])
-    copy = tensor.cpu().to(tensor.device)
+  nothing: XLA compiles a clone per shape, more programs than the calls
+  compile without donation. Under SPMD the copy stays on the device,
+  sharded as the tensor is, and so does a 0-dim tensor."""
+  if _copies_through_host(tensor):
+    copy = _to_device(_host_copy(tensor), tensor.device)
   else:
     copy = torch.clone(tensor)
   sync_alone([copy])
@@ -480,16 +512,66 @@ def move_to_private_copy(tensor: torch.Tensor) -> torch.Tensor:
   takes a run's result (take_result: functionalization's storage drops its
   old base only so), and whatever holds the old buffer (a view's or a
   pending reader's IR, a tensor that took it with copy_) keeps it, while a
-  buffer nothing else holds goes at once. The copy holds the same values,
-  was synced alone and is held by nothing else: given, in the data ledger.
+  buffer nothing else holds goes. The copy holds the same values, was
+  synced alone and is held by nothing else: given, in the data ledger.
+  A copy made on the device is alive beside the old buffer until the
+  argument takes it over. A copy made through the host is made in two
+  halves with the buffer let go between them: the values come to the
+  host, the argument lets go of its buffer (it takes lazy zeros of its
+  size, which hold no buffer), and only then is the host copy sent to the
+  device. So a buffer nothing else holds is gone before its copy is made,
+  and the device never holds two of it; the host holds one argument's
+  values at a time. On the CPU client, whose buffers are host memory, the
+  values come to the host through a DLPack view, in one copy. Between the halves the argument holds zeros;
+  like any argument of a call in flight it is not to be read by another
+  thread meanwhile. Should the copy fail to reach the device (its memory
+  full), the values are sent once more; if that fails too,
+  PrivateCopyLost says the argument lost them.
   Arguments that share their data with another argument of the run do not
   move (see prepare_donating_run): the other would move with them, and the
   run would read the buffer it donates."""
-  copy = private_copy(tensor)
   if not is_functional(tensor):
-    return copy
+    return private_copy(tensor)
+  if not _copies_through_host(tensor):
+    take_result(tensor, private_copy(tensor))
+    return tensor
+  host = _host_copy(tensor)
+  _let_go_of_data(tensor)
+  copy = None
+  try:
+    copy = _to_device(host, tensor.device)
+  finally:
+    if copy is None:
+      _give_values_back(tensor, host)
+  sync_alone([copy])
   take_result(tensor, copy)
   return tensor
+
+
+def _let_go_of_data(tensor: torch.Tensor) -> None:
+  """The functionalization wrapper `tensor` takes lazy zeros of its size
+  and dtype, which hold no buffer, as an update its views replay, and
+  drops its old value: its buffer goes unless something else holds it."""
+  zeros = torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+  give_back_value(tensor, zeros)
+
+
+def _give_values_back(tensor: torch.Tensor, host: torch.Tensor) -> None:
+  """After a failed move through the host, `tensor` takes `host`'s values
+  again, or PrivateCopyLost says it could not."""
+  try:
+    take_result(tensor, _to_device(host, tensor.device))
+  except BaseException as error:
+    raise PrivateCopyLost(
+        f'a donated argument ({_describe(tensor)}) let go of its buffer to '
+        'move onto a private copy, and neither the copy nor its values '
+        f'could be sent to the device again ({error}); it holds zeros now: '
+        'set its values again before using it') from error
+
+
+def _describe(tensor: torch.Tensor) -> str:
+  dtype = str(tensor.dtype).replace('torch.', '')
+  return f'{dtype}{list(tensor.shape)}'
 
 
 def prepare_donating_run(entry: 'CompiledGraphEntry',
