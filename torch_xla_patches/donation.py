@@ -522,11 +522,11 @@ def move_to_private_copy(tensor: torch.Tensor) -> torch.Tensor:
   device. So a buffer nothing else holds is gone before its copy is made,
   and the device never holds two of it; the host holds one argument's
   values at a time. On the CPU client, whose buffers are host memory, the
-  values come to the host through a DLPack view, in one copy. Between the halves the argument holds zeros;
-  like any argument of a call in flight it is not to be read by another
-  thread meanwhile. Should the copy fail to reach the device (its memory
-  full), the values are sent once more; if that fails too,
-  PrivateCopyLost says the argument lost them.
+  values come to the host through a DLPack view, in one copy. Between the
+  halves the argument holds zeros; like any argument of a call in flight
+  it is not to be read by another thread meanwhile. Should the copy fail
+  to reach the device (its memory full), the values are sent once more;
+  if that fails too, PrivateCopyLost says the argument lost them.
   Arguments that share their data with another argument of the run do not
   move (see prepare_donating_run): the other would move with them, and the
   run would read the buffer it donates."""
@@ -553,7 +553,7 @@ def _let_go_of_data(tensor: torch.Tensor) -> None:
   and dtype, which hold no buffer, as an update its views replay, and
   drops its old value: its buffer goes unless something else holds it."""
   zeros = torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-  give_back_value(tensor, zeros)
+  commit_value(tensor, zeros)
 
 
 def _give_values_back(tensor: torch.Tensor, host: torch.Tensor) -> None:
@@ -686,11 +686,13 @@ def inner_value(tensor: torch.Tensor) -> torch.Tensor:
   return tensor
 
 
-def give_back_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
-  """Gives the functionalization wrapper `tensor` the lazy tensor `value`,
-  on the data it held before a trace, as an update its views replay
-  (replace and commit, as take_result does), and drops the update log:
-  nothing runs (see [Note: Restores on a mesh] in tracing.py)."""
+def commit_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
+  """Gives the functionalization wrapper `tensor` the lazy tensor `value`
+  as an update its views replay (replace and commit, as take_result does),
+  and drops the update log; nothing runs. A restore gives back the data
+  held before a trace so ([Note: Restores on a mesh] in tracing.py), and a
+  move onto a private copy lazy zeros ([Note: Moving onto a private
+  copy])."""
   replace_functional_value(tensor, value)
   torch._functionalize_commit_update(tensor)
   torch._functionalize_sync(tensor)

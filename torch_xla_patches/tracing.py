@@ -19,11 +19,10 @@ import torch_xla.runtime as xr
 
 from torch_xla_patches import config, io_utils
 from torch_xla_patches.counters import COUNTER_DONATED, increment_counter
-from torch_xla_patches.donation import (DonorHold, data_id_of,
+from torch_xla_patches.donation import (DonorHold, commit_value, data_id_of,
                                         donatable_positions, donor_aliasing,
-                                        donor_marks, give_back_value,
-                                        inner_value, is_functional, maybe_read,
-                                        note_data, read_since_set,
+                                        donor_marks, inner_value, is_functional,
+                                        maybe_read, note_data, read_since_set,
                                         sets_own_donors)
 from torch_xla_patches.execution import sync_alone
 from torch_xla_patches.signature import (ArgLayout, ShapeSignature,
@@ -358,7 +357,7 @@ class ArgumentsRestore:
     # See [Note: Restores and dynamo's compiles].
     with dynamo_compile_lock():
       for tensor, keeper, _ in kept:
-        give_back_value(tensor, _on_device_data_of(keeper))
+        commit_value(tensor, _on_device_data_of(keeper))
       for tensor, clone, _ in updated:
         tensor.copy_(clone)
       # A donor mark of the bridge's trace would let the sync below hand
