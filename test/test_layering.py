@@ -31,16 +31,19 @@ LAYERS = (
     # graph fingerprints.
     ('records and index', {'record', 'signature_index', 'fingerprint'}),
     # The bridge, by job, each module importing only those before it:
-    # counters -> execution (the lock, runs, syncs) -> donation -> tracing ->
+    # counters -> execution (the lock, runs, syncs) -> donation ->
+    # handover_sync (a new graph's pending arguments synced off the lock) ->
+    # tracing ->
     # placeholder_trace -> fallback_probe (the look-ahead's fallback and
     # value-reading ops) -> program_run (one run and its write-back) ->
     # compile_window -> bound_program -> backlog -> signature_cache ->
     # dynamo_bridge; and the SymInt-safe kernels tracing needs
     # (decompositions).
     ('bridge', {
-        'counters', 'execution', 'donation', 'tracing', 'placeholder_trace',
-        'fallback_probe', 'program_run', 'compile_window', 'bound_program',
-        'backlog', 'signature_cache', 'dynamo_bridge', 'decompositions'
+        'counters', 'execution', 'donation', 'handover_sync', 'tracing',
+        'placeholder_trace', 'fallback_probe', 'program_run', 'compile_window',
+        'bound_program', 'backlog', 'signature_cache', 'dynamo_bridge',
+        'decompositions'
     }),
     # Users of the bridge, through its public methods.
     # The artifact: its key, file format and backend; aot_compile, save and

@@ -14,8 +14,9 @@ import torch_xla
 import torch_xla_patches
 from bridge_testing import serve_fresh, serve_sizes
 from torch_xla_patches import (TensorSpec, backlog, compile_window, config,
-                               donation, execution, io_utils, placeholder_trace,
-                               signature_cache, signature_index, tracing)
+                               donation, execution, handover_sync, io_utils,
+                               placeholder_trace, signature_cache,
+                               signature_index, tracing)
 
 WIDTH = 8
 SLOTS = 4
@@ -210,7 +211,7 @@ def test_torch_compile_steps_complete_while_a_new_batch_size_compiles(
   # compiles. Held there, on its thread, it keeps no other thread's steps
   # of the compiled batch size waiting. So does the hand-over's sync of the
   # call's new inputs (a compile of their own), made before execution_lock
-  # (see [Note: A hand-over's sync before the lock] in donation.py).
+  # (see [Note: A hand-over's sync before the lock] in handover_sync.py).
   torch.manual_seed(0)
   cpu = CacheWriter().eval()
   model = CacheWriter().eval().to(torch_xla.device())
@@ -474,14 +475,14 @@ def test_a_pending_argument_takes_its_synced_twin_unless_updated_since():
   base = xla(torch.arange(12.).reshape(3, 4))
   torch_xla.sync()
   kept, updated = base * 2 + 1, base - 3
-  twins = donation.pending_twins([kept, updated])
+  twins = handover_sync.pending_twins([kept, updated])
   assert [twin.tensor is t for twin, t in zip(twins, [kept, updated])
          ] == [True, True]
   updated.mul_(10)
   execution.sync_pending([twin.twin for twin in twins])
   assert torch_xla._XLAC._check_tensor_need_materialization([kept, updated
                                                             ]) == [True, True]
-  donation.take_twins(twins)
+  handover_sync.take_twins(twins)
   assert torch_xla._XLAC._check_tensor_need_materialization([kept, updated
                                                             ]) == [False, True]
   met.clear_all()

@@ -1,6 +1,8 @@
 """Donation: which arguments a program takes the buffers of, what is known of
 each argument's buffer (the data ledger), readying a donating run and taking
-its results over. See [Note: Donating in-place updates].
+its results over. See [Note: Donating in-place updates]. And a
+functionalization wrapper's value, replaced and committed (take_result,
+commit_value), for the modules above it too.
 """
 import collections
 import contextlib
@@ -22,8 +24,8 @@ from torch_xla_patches.counters import (
     COUNTER_DONATION_VIEW, increment_counter)
 from torch_xla_patches.execution import (KNOWN_DATA_LIMIT, data_id_of,
                                          device_name, extracted_once,
-                                         known_data, note_data, pending_of,
-                                         sync_alone)
+                                         known_data, note_data, sync_alone)
+from torch_xla_patches.io_utils import TensorSpec
 from torch_xla_patches.signature import ArgLayout
 
 # [Note: Donating in-place updates]
@@ -450,10 +452,6 @@ def _copies_through_host(tensor: torch.Tensor) -> bool:
           tensor.dim() > 0)
 
 
-def _buffers_are_host_memory() -> bool:
-  return xr.device_type() == 'CPU'
-
-
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
   """`tensor`'s values in a CPU tensor of their own."""
   # `cpu()` of device data reads it without waiting: the result of a run
@@ -462,7 +460,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
   # after execution_lock in the lock order ([Note: Threads] in
   # execution.py).
   torch_xla._XLAC._xla_wait_device_ops([])
-  if _buffers_are_host_memory():
+  if xr.device_type() == 'CPU':
     # The CPU client's buffers are host memory, which a DLPack view reads
     # in place: one copy of the values, where `cpu()` holds two at its peak
     # (an XLA literal, then the tensor made from it).
@@ -563,15 +561,10 @@ def _give_values_back(tensor: torch.Tensor, host: torch.Tensor) -> None:
     take_result(tensor, _to_device(host, tensor.device))
   except BaseException as error:
     raise PrivateCopyLost(
-        f'a donated argument ({_describe(tensor)}) let go of its buffer to '
+        f'a donated argument ({TensorSpec.of(tensor).describe()}) let go of its buffer to '
         'move onto a private copy, and neither the copy nor its values '
         f'could be sent to the device again ({error}); it holds zeros now: '
         'set its values again before using it') from error
-
-
-def _describe(tensor: torch.Tensor) -> str:
-  dtype = str(tensor.dtype).replace('torch.', '')
-  return f'{dtype}{list(tensor.shape)}'
 
 
 def prepare_donating_run(entry: 'CompiledGraphEntry',
@@ -634,10 +627,7 @@ def take_result(tensor: torch.Tensor,
     # XLA_DISABLE_FUNCTIONALIZATION=1: a lazy tensor of its own.
     tensor.copy_(result)
     return
-  torch._functionalize_replace(tensor, torch._from_functional_tensor(result))
-  torch._functionalize_commit_update(tensor)
-  if drop_update_log:
-    torch._functionalize_sync(tensor)
+  commit_value(tensor, result, drop_update_log)
   note_data(result, given=True)
 
 
@@ -686,15 +676,26 @@ def inner_value(tensor: torch.Tensor) -> torch.Tensor:
   return tensor
 
 
-def commit_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
+def commit_value(tensor: torch.Tensor,
+                 value: torch.Tensor,
+                 drop_update_log: bool = True) -> None:
   """Gives the functionalization wrapper `tensor` the lazy tensor `value`
-  as an update its views replay (replace and commit, as take_result does),
-  and drops the update log; nothing runs. A restore gives back the data
+  as an update its views replay (replace and commit), and drops the update
+  log unless told not to (see [Note: Taking a result]); nothing runs. A
+  run's result is taken so (take_result), a restore gives back the data
   held before a trace so ([Note: Restores on a mesh] in tracing.py), and a
   move onto a private copy lazy zeros ([Note: Moving onto a private
   copy])."""
   replace_functional_value(tensor, value)
   torch._functionalize_commit_update(tensor)
+  if drop_update_log:
+    apply_view_updates(tensor)
+
+
+def apply_view_updates(tensor: torch.Tensor) -> None:
+  """Brings the functionalization wrapper `tensor`'s value up to date with
+  the updates its views and aliases logged, and drops the log
+  (functionalization's sync: nothing runs on the device)."""
   torch._functionalize_sync(tensor)
 
 
@@ -703,79 +704,3 @@ def replace_functional_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
   `value` (or `value` itself) as its value, logging no update: for a value
   that holds the same data, which its views need not replay."""
   torch._functionalize_replace(tensor, inner_value(value))
-
-
-@dataclasses.dataclass(frozen=True)
-class PendingTwin:
-  """`twin`, a lazy tensor on the pending IR of `tensor` (a functional
-  wrapper) made under execution_lock, to be synced with the lock let go and
-  taken back by `tensor` under it (see [Note: A hand-over's sync before the
-  lock]); `value_id` names the lazy tensor inside
-  `tensor` when the twin was made."""
-  tensor: torch.Tensor
-  value_id: int
-  twin: torch.Tensor
-
-
-def pending_twins(tensors: Sequence[torch.Tensor]) -> List[PendingTwin]:
-  """Under execution_lock: a twin of each functional wrapper among `tensors`
-  that has pending IR. A twin shares its tensor's IR (torch_xla's clone
-  copies no data and adds no node) and nothing else: syncing it writes no
-  state another thread may read."""
-  twins = []
-  for tensor in tensors:
-    if torch._is_functional_tensor(tensor):
-      value = torch._from_functional_tensor(tensor)
-      twins.append(
-          PendingTwin(tensor=tensor,
-                      value_id=torch_xla._XLAC._xla_get_tensor_id(value),
-                      twin=value.clone()))
-  return twins
-
-
-def take_twins(twins: Sequence[PendingTwin]) -> None:
-  """Under execution_lock: each tensor whose value is still the one its twin
-  was made from takes the twin's synced data as its value (the same value,
-  which its views need not replay), noted as given in the data ledger; one
-  updated since keeps its own value, for the hand-over's sync under the
-  lock."""
-  for pending in twins:
-    value = torch._from_functional_tensor(pending.tensor)
-    if torch_xla._XLAC._xla_get_tensor_id(value) != pending.value_id:
-      continue
-    replace_functional_value(pending.tensor, pending.twin)
-    note_data(pending.tensor, given=True)
-
-
-def twins_of_pending_arguments(xla_args: Sequence[Any]) -> List[PendingTwin]:
-  """Under execution_lock: twins of a hand-over's XLA tensor arguments that
-  have pending IR, each functional wrapper's value first brought up to date
-  with its views' updates, as the hand-over does.
-
-  [Note: A hand-over's sync before the lock]
-  A hand-over makes its arguments device data before it traces them; those
-  of a shape no program had (a new batch size's inputs, a cache of a new
-  size just reset) take an XLA compile of their own, tens of ms, which
-  other threads' calls of compiled programs would wait for under
-  execution_lock. A sync writes the tensors it syncs (their IR goes, their
-  buffer comes later), and other threads read module state under the lock
-  (a guard check reads a module's buffers), so the arguments themselves are
-  not synced off it: under the lock, each one with pending IR gets a twin,
-  a lazy tensor on the same IR and nothing else (pending_twins);
-  the twins are synced with the lock let go; under the lock again, each
-  argument whose value is still the one its twin was made from takes the
-  twin's data (take_twins). An argument updated meanwhile keeps
-  its value, which the hand-over syncs under the lock as before, as it does
-  one that is no functional wrapper (XLA_DISABLE_FUNCTIONALIZATION=1). The
-  hand-over (dynamo_bridge.extract_compiled_graph) makes no twins under SPMD
-  (a twin carries no sharding) nor for a graph that draws random numbers,
-  whose hand-over keeps its place among other threads' traces under the
-  lock, as its look-ahead does."""
-  tensors = [
-      arg for arg in xla_args
-      if isinstance(arg, torch.Tensor) and arg.device.type == 'xla'
-  ]
-  for tensor in tensors:
-    if torch._is_functional_tensor(tensor):
-      torch._functionalize_sync(tensor)
-  return pending_twins(pending_of(tensors))

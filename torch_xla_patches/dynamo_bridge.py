@@ -39,8 +39,9 @@ from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         increment_counter)
 from torch_xla_patches.donation import (count_epilogue_updates, donor_aliasing,
                                         prepare_donating_run,
-                                        sync_alone_noting_reads, take_twins,
-                                        twins_of_pending_arguments)
+                                        sync_alone_noting_reads)
+from torch_xla_patches.handover_sync import (take_twins,
+                                             twins_of_pending_arguments)
 from torch_xla_patches import execution
 from torch_xla_patches.execution import (RefusedBeforeRun,
                                          refused_for_pending_ir)
@@ -390,7 +391,7 @@ def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args):
   # made from their metadata does not (see [Note: A hand-over's look-ahead
   # on placeholders]), nor does the sync of twins of the arguments that
   # have pending IR (see [Note: A hand-over's sync before the lock] in
-  # donation.py).
+  # handover_sync.py).
   with execution.execution_lock:
     specs = fallback_probe.look_ahead_specs(xla_model, xla_args)
     twins = ([] if xr.is_spmd() or tracing.graph_draws_random_numbers(

@@ -44,7 +44,8 @@ _PENDING_IR_MESSAGE = 'can not be a pending ir'
 # share data, SPMD; with its restore), a graph's hand-over (but its
 # look-ahead on placeholders, see [Note: A hand-over's look-ahead on
 # placeholders] in dynamo_bridge.py, and the sync of twins of its pending
-# arguments, see [Note: A hand-over's sync before the lock] in donation.py),
+# arguments, see [Note: A hand-over's sync before the lock] in
+# handover_sync.py),
 # a capture and a guard check (see
 # [Note: What reads the model's tensors] in serialization.py).
 # Lock order, first taken first:
