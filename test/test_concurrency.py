@@ -15,8 +15,7 @@ import torch_xla.debug.metrics as met
 import torch_xla_patches
 from torch_xla_patches import counters as bridge_counters
 from torch_xla_patches import (TensorSpec, call_plan, config, execution,
-                               fast_dispatch, program_run, torch_internals,
-                               tracing)
+                               fast_dispatch, torch_internals, tracing)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tools'))
@@ -416,13 +415,15 @@ def test_a_call_waits_for_the_execution_lock(patched_bridge, monkeypatch, path):
   fast_before = served.calls.fast_calls if path != 'torch.compile' else 0
   lock = watch_execution_lock(monkeypatch)
   runs = []
-  run_program = program_run.run_program
+  run_program = execution.run_program
 
   def counted_run(*args, **kwargs):
     runs.append(threading.current_thread().name)
     return run_program(*args, **kwargs)
 
-  monkeypatch.setattr(program_run, 'run_program', counted_run)
+  # Every run of a compiled program goes through it (see [Note: One run of
+  # a compiled program] in program_run.py).
+  monkeypatch.setattr(execution, 'run_program', counted_run)
   misses = counter(bridge_counters.COUNTER_MISS)
   with lock:
     thread, outcome = call_in_thread(ending(lock, served),

@@ -11,7 +11,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 
 import torch_xla_patches
-from torch_xla_patches import config, signature_cache
+from torch_xla_patches import config, signature_cache, torch_internals
 from bridge_testing import FrameCounter, counters, xla
 
 DEVICE = torch_xla.device()
@@ -106,6 +106,46 @@ def test_inplace_update_of_input_is_applied_every_call():
     x = torch.randn(n, 3)
     torch.testing.assert_close(compiled(xla(x), acc_xla).cpu(), fn(x, acc_cpu))
     torch.testing.assert_close(acc_xla.cpu(), acc_cpu)
+
+
+def test_only_runs_that_update_nothing_skip_the_write_back():
+  """A program that computes results and updates no argument runs without
+  run_entry's write-back; one that updates an argument in the graph (as
+  apply()'s openxla backend keeps inference updates) does not. Either way
+  every call equals eager."""
+
+  def pure(x, acc):
+    return x * 2 + acc
+
+  def updating(x, acc):
+    acc.add_(x)
+    return acc * 2
+
+  entries = {}
+  for fn in [pure, updating]:
+    before = set(map(id, signature_cache.live_signature_caches()))
+    compiled = compile_dynamic(fn)
+    acc_cpu = torch.ones(3)
+    acc_xla = xla(acc_cpu)
+    for _ in range(2):
+      x = torch.randn(3)
+      torch.testing.assert_close(
+          compiled(xla(x), acc_xla).cpu(), fn(x, acc_cpu))
+      torch.testing.assert_close(acc_xla.cpu(), acc_cpu)
+    (cache,) = [
+        c for c in signature_cache.live_signature_caches()
+        if id(c) not in before
+    ]
+    entries[fn.__name__] = list(cache.entries.values())
+  assert [e.writes_nothing_back for e in entries['pure']] == [True]
+  # Where AOTAutograd writes the update back itself (upstream's backend, as
+  # the rendered bridge runs), the program updates nothing either.
+  updates = [bool(e.output_plan.inplace_updates) for e in entries['updating']]
+  assert [e.writes_nothing_back for e in entries['updating']
+         ] == [not u for u in updates]
+  if isinstance(torch._dynamo.backends.registry.lookup_backend('openxla'),
+                torch_internals.InferenceUpdatesInGraph):
+    assert updates == [True]
 
 
 def test_output_that_is_an_unchanged_input_and_duplicate_outputs():

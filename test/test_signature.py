@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch_xla
 from expecttest import assert_expected_inline
+from hypothesis import given, strategies as st
 
 from torch_xla_patches.signature import (ArgKind, ArgLayout, ShapeSignature,
                                          UnsupportedGraphInput)
@@ -56,6 +57,40 @@ def test_without_metadata_every_tensor_shape_is_in_the_key():
   layout = ArgLayout.from_graph(None, args)
   assert layout.kinds == (ArgKind.DYNAMIC_TENSOR, ArgKind.SHAPE)
   assert layout.key_function()(args) == ((4,), ((2, 3),))
+
+
+_KEYED_KINDS = [
+    ArgKind.SHAPE, ArgKind.SCALAR, ArgKind.DYNAMIC_TENSOR, ArgKind.TENSOR,
+    ArgKind.PARAMETER
+]
+
+
+def _example_arg(kind: ArgKind, draw_size: int):
+  if kind == ArgKind.SHAPE:
+    return draw_size
+  if kind == ArgKind.SCALAR:
+    return draw_size / 2
+  return torch.empty(draw_size, 2)
+
+
+@given(kinds=st.lists(st.sampled_from(_KEYED_KINDS), max_size=5),
+       sizes=st.lists(st.integers(0, 4), min_size=5, max_size=5))
+def test_the_key_is_the_scalar_values_and_the_dynamic_shapes(kinds, sizes):
+  """Every form of the key function (one size and one dynamic tensor read
+  inline included) gives [Note: Shape signatures]' key: the size and scalar
+  values in position order, then the dynamic tensors' shapes; static
+  tensors and parameters are not in it."""
+  layout = ArgLayout(kinds=tuple(kinds))
+  args = [_example_arg(kind, size) for kind, size in zip(kinds, sizes)]
+  values = tuple(args[i] for i in layout.scalar_positions)
+  shapes = tuple(args[i].shape for i in layout.dynamic_tensor_positions)
+  expected = (values, shapes) if shapes else values
+  key = layout.key_function()(args)
+  assert key == expected
+  assert type(key) is tuple
+  if shapes:
+    assert [type(part) for part in key] == [tuple, tuple]
+  assert hash(key) == hash(expected)
 
 
 def test_signature_differences_read_before_and_after():

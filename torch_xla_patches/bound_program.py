@@ -49,14 +49,15 @@ class BoundProgram:
   rather than compiling its own. A donated argument read since its data
   was set is copied for the run, arguments updated in place take their
   results (see [Note: Donating in-place updates] in donation.py; views and
-  aliases of them follow). The signature is looked up and served as every
-  run of the bridge is (SignatureCache.look_up and served: LRU order, hit
-  counter, usage, backlog), under execution_lock (see [Note: Threads] in
-  execution.py). A run that cannot
-  start (its signature dropped from the cache or traced again, a bound
-  tensor with pending IR, a program XLA evicted) raises RefusedBeforeRun
-  with nothing run; the caller then goes through the bridge's callable,
-  which recovers. Any other error is the call's own and propagates.
+  aliases of them follow); a program that updates no argument has nothing
+  to write back, and runs without run_entry's steps around it. The
+  signature is looked up and served as every run of the bridge is
+  (SignatureCache.look_up and served: LRU order, hit counter, usage,
+  backlog), under execution_lock (see [Note: Threads] in execution.py). A
+  run that cannot start (its signature dropped from the cache or traced
+  again, a bound tensor with pending IR, a program XLA evicted) raises
+  RefusedBeforeRun with nothing run; the caller then goes through the
+  bridge's callable, which recovers. Any other error is the call's own and propagates.
 
   Args:
     cache: the graph's signature cache.
@@ -90,33 +91,43 @@ class BoundProgram:
     self._output_plan = entry.output_plan
     self._runs = 0
     self._outputs_are_results = entry.output_plan.outputs_are_results
+    self._free_indices = tuple(index for _, index in free_slots)
+    # A call then fills in its free inputs and runs the program: run_entry's
+    # other steps have nothing to do.
+    self._writes_nothing_back = entry.writes_nothing_back
 
   def __call__(self, free_args: Sequence[torch.Tensor]) -> List[Any]:
     """Runs the program; returns every graph output, in order. Raises
     RefusedBeforeRun if it cannot start."""
     # The call's own inputs, synced before the lock (see [Note: Threads] in
     # execution.py): a new shape's sync compiles.
-    synced = (execution.sync_before_the_lock([
-        free_args[index] for _, index in self._free_slots
-    ]) if self._free_slots and not upstream_config.skip_input_data_check else
-              [])
+    synced = (execution.sync_before_the_lock(
+        list(map(free_args.__getitem__, self._free_indices)))
+              if self._free_indices and
+              not upstream_config.skip_input_data_check else None)
     with execution.execution_lock:
-      execution.note_synced_inputs(synced)
+      if synced:
+        execution.note_synced_inputs(synced)
       cache = self._cache
       if cache.look_up(self.key) is not self._entry:
         raise RefusedBeforeRun('the signature\'s entry was dropped from the '
                                'cache or traced again')
-      results = run_entry(
-          self._entry,
-          pending=(),
-          inputs=functools.partial(self._inputs_of, free_args),
-          argument=lambda position: self._updated[position].of(free_args),
-          drop_update_log=(self._runs + 1) % UPDATE_LOG_RUNS == 0)
-      if self._output_plan.num_results:
-        self._runs += 1
-      plan = self._output_plan
-      outputs = (results if self._outputs_are_results else plan.outputs(
-          results, ()))
+      if self._writes_nothing_back:
+        inputs = self._inputs.copy()
+        for slot, index in self._free_slots:
+          inputs[slot] = free_args[index]
+        results = execution.run_program(self.graph_hash, inputs)
+      else:
+        results = run_entry(
+            self._entry,
+            pending=(),
+            inputs=functools.partial(self._inputs_of, free_args),
+            argument=lambda position: self._updated[position].of(free_args),
+            drop_update_log=(self._runs + 1) % UPDATE_LOG_RUNS == 0)
+        if self._output_plan.num_results:
+          self._runs += 1
+      outputs = (results if self._outputs_are_results else
+                 self._output_plan.outputs(results, ()))
       cache.served(self.key)
       return outputs
 

@@ -7,9 +7,10 @@ plans."""
 import builtins
 import dataclasses
 import dis
+import functools
 import itertools
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -706,6 +707,11 @@ class BoundTensorCheck:
     self._packed = helpers.metadata(self._tensors) if helpers else None
     self._check = (torch_internals.tensor_metadata_check(self._tensors)
                    if self._tensors and not helpers else None)
+    # The same answer as calling the check, as one C call where the native
+    # module is loaded: a served call makes it every time.
+    self.matches: Callable[[], bool] = (functools.partial(
+        self._native_matches, self._tensors,
+        self._packed) if self._native_matches is not None else self.__call__)
 
   def __call__(self) -> bool:
     if self._native_matches is not None:

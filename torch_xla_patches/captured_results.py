@@ -229,4 +229,12 @@ def _same_result(ours: Any, theirs: Any) -> bool:
 
 
 def _bare_output(index: int) -> OutputMap:
-  return lambda outputs, args: outputs[index]
+  rebuild = lambda outputs, args: outputs[index]
+  rebuild.output_index = index
+  return rebuild
+
+
+def bare_output_index(rebuild: OutputMap) -> Optional[int]:
+  """The graph output a map returns as it is (a result that is one graph
+  output), which a caller may then index directly; else None."""
+  return getattr(rebuild, 'output_index', None)

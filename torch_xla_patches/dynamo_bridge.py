@@ -227,6 +227,10 @@ def extract_internal(xla_model: torch.fx.GraphModule):
           pending: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """One run of `entry` on `args` (see [Note: One run of a compiled
     program] in program_run.py)."""
+    if entry.writes_nothing_back and not pending:
+      # run_entry's other steps have nothing to do.
+      return execution.run_program(entry.graph_hash,
+                                   entry.graph_input_matcher(args))
     return run_entry(entry,
                      pending,
                      inputs=lambda: entry.graph_input_matcher(

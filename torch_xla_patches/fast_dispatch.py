@@ -315,11 +315,12 @@ class ServedCalls:
         not self._set_back.unchanged_since(learned.set_back)):
       _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
       return None
-    if not learned.path_check.unchanged():
+    paths = learned.path_check
+    if paths is not _NO_PATHS and not paths.unchanged():
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._forget(learned)
       return None
-    if config.serve_check_bound_tensors and not learned.bound_check():
+    if config.serve_check_bound_tensors and not learned.bound_check.matches():
       _increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._changed_behind = learned.bound_check
       self._forget(learned)
@@ -510,6 +511,8 @@ class ServedCalls:
     if bound is None:
       return through_bridge
 
+    output_index = captured_results.bare_output_index(rebuild)
+
     def bound_run(leaves: Sequence[Any]) -> Any:
       try:
         outputs = bound(leaves)
@@ -517,6 +520,8 @@ class ServedCalls:
         _increment_counter(COUNTER_BRIDGE_RECOVERY, 1)
         self._forget_run(bound_run)
         return through_bridge(leaves)
+      if output_index is not None:
+        return outputs[output_index]
       return rebuild(outputs, leaves)
 
     return bound_run

@@ -5,7 +5,10 @@ run of the bridge.
 The bridge's callable (extract_internal in dynamo_bridge.py), its recovery
 after a refusal, and a bound program (serving's fast path, see [Note: Bound
 programs] in bound_program.py) run a signature's program the same way, in
-`run_entry`:
+`run_entry`; a program that updates no argument and has no pending input to
+sync (CompiledGraphEntry.writes_nothing_back) they run with
+execution.run_program alone, all that run_entry would do for it. Every run
+goes through execution.run_program:
   * inputs with pending IR are synced first, counted, unless upstream's
     config.skip_input_data_check says not to (see [Note: Input
     materialization check] in dynamo_bridge.py);
@@ -24,7 +27,8 @@ import torch
 
 from torch_xla._dynamo import config as upstream_config
 from torch_xla_patches.donation import take_results
-from torch_xla_patches.execution import run_program, sync_pending_inputs
+from torch_xla_patches import execution
+from torch_xla_patches.execution import sync_pending_inputs
 from torch_xla_patches.tracing import CompiledGraphEntry
 
 
@@ -47,7 +51,7 @@ def run_entry(entry: CompiledGraphEntry, pending: Sequence[torch.Tensor],
     return []
   if pending and not upstream_config.skip_input_data_check:
     sync_pending_inputs(pending)
-  results = run_program(entry.graph_hash, inputs())
+  results = execution.run_program(entry.graph_hash, inputs())
   write_back(entry, results, argument, drop_update_log)
   return results
 

@@ -198,10 +198,20 @@ class ArgLayout:
       return spmd_key
     if not dynamic_positions:
       return scalar_getter
+    # Every call computes the key: the common layouts (one size, one
+    # dynamic tensor) read their positions inline, with no call per item.
+    scalar_positions = self.scalar_positions
+    if len(scalar_positions) == 1 and len(dynamic_positions) == 1:
+      (scalar,), (dynamic,) = scalar_positions, dynamic_positions
+
+      def one_size_key(args):
+        return ((args[scalar],), (args[dynamic].shape,))
+
+      return one_size_key
+    dynamic_getter = tuple_getter(dynamic_positions)
 
     def dynamic_key(args):
-      return (scalar_getter(args),
-              tuple(args[i].shape for i in dynamic_positions))
+      return (scalar_getter(args), tuple(map(_SHAPE_OF, dynamic_getter(args))))
 
     return dynamic_key
 
@@ -221,6 +231,9 @@ class ArgLayout:
         tensor_shapes=tuple(
             (i, tuple(args[i].shape)) for i in self.dynamic_tensor_positions),
         shardings=shardings)
+
+
+_SHAPE_OF = operator.attrgetter('shape')
 
 
 def tuple_getter(

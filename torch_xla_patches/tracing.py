@@ -133,7 +133,7 @@ class OutputPlan:
     object.__setattr__(self, '_source_getter', tuple_getter(self.sources))
 
   def assemble(self, results: List[torch.Tensor], args: Sequence[Any]) -> Any:
-    outputs = self.outputs(results, args)
+    outputs = results if self._identity else self.outputs(results, args)
     # The bridge's calling convention: a single output is returned bare.
     return outputs[0] if len(outputs) == 1 else outputs
 
@@ -196,6 +196,15 @@ class CompiledGraphEntry:
     updates = self.output_plan.inplace_updates
     return UpdateSplit(taken=tuple(u for u in updates if u[0] in donated),
                        copied=tuple(u for u in updates if u[0] not in donated))
+
+  @functools.cached_property
+  def writes_nothing_back(self) -> bool:
+    """Whether a run computes something and updates no argument: it runs
+    the program on its inputs and nothing else (see [Note: One run of a
+    compiled program] in program_run.py)."""
+    return bool(self.output_plan.num_results and
+                not self.output_plan.inplace_updates and
+                not self.donated_positions)
 
   @functools.cached_property
   def input_positions(self) -> Tuple[int, ...]:
