@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from torch_xla_patches import native
+from torch_xla_patches.io_utils import TensorSpec
 from torch_xla_patches import torch_internals
 from torch_xla_patches.captured_results import (BUILTINS, ITEMS, RESULT_OPCODES,
                                                 TYPE_OF_MADE, Made, MadeMethod,
@@ -613,7 +614,7 @@ class ArgumentPlan:
         else:
           raise PlanError(
               f'graph argument {position} is a tensor '
-              f'({_describe(arg.dtype, arg.shape)}) that is neither a '
+              f'({TensorSpec.of(arg).describe()}) that is neither a '
               'call argument (or a tensor of an object argument) nor a '
               'parameter or buffer of the model: a tensor made before the '
               'graph, such as a cache initialized lazily by its first call. '
@@ -734,10 +735,6 @@ class BoundTensorCheck:
     for tensor, then in zip(self._tensors, self._metadata):
       if _metadata([tensor])[0] != then:
         return (f'{names.get(id(tensor), "a bound tensor")} (compiled as '
-                f'{_describe(then[0], then[2])}, now '
-                f'{_describe(tensor.dtype, tensor.shape)})')
+                f'{TensorSpec(tuple(then[2]), then[0]).describe()}, now '
+                f'{TensorSpec.of(tensor).describe()})')
     return 'a bound tensor'
-
-
-def _describe(dtype: torch.dtype, shape: torch.Size) -> str:
-  return f'{str(dtype).replace("torch.", "")}{list(shape)}'
