@@ -57,7 +57,8 @@ class BoundProgram:
   run that cannot start (its signature dropped from the cache or traced
   again, a bound tensor with pending IR, a program XLA evicted) raises
   RefusedBeforeRun with nothing run; the caller then goes through the
-  bridge's callable, which recovers. Any other error is the call's own and propagates.
+  bridge's callable, which recovers. Any other error is the call's own and
+  propagates.
 
   Args:
     cache: the graph's signature cache.
@@ -101,10 +102,10 @@ class BoundProgram:
     RefusedBeforeRun if it cannot start."""
     # The call's own inputs, synced before the lock (see [Note: Threads] in
     # execution.py): a new shape's sync compiles.
-    synced = (execution.sync_before_the_lock(
-        list(map(free_args.__getitem__, self._free_indices)))
-              if self._free_indices and
-              not upstream_config.skip_input_data_check else None)
+    synced = None
+    if self._free_indices and not upstream_config.skip_input_data_check:
+      synced = execution.sync_before_the_lock(
+          list(map(free_args.__getitem__, self._free_indices)))
     with execution.execution_lock:
       if synced:
         execution.note_synced_inputs(synced)

@@ -710,9 +710,10 @@ class BoundTensorCheck:
                    if self._tensors and not helpers else None)
     # The same answer as calling the check, as one C call where the native
     # module is loaded: a served call makes it every time.
-    self.matches: Callable[[], bool] = (functools.partial(
-        self._native_matches, self._tensors,
-        self._packed) if self._native_matches is not None else self.__call__)
+    self.matches: Callable[[], bool] = self.__call__
+    if self._native_matches is not None:
+      self.matches = functools.partial(self._native_matches, self._tensors,
+                                       self._packed)
 
   def __call__(self) -> bool:
     if self._native_matches is not None:
