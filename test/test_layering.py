@@ -37,13 +37,13 @@ LAYERS = (
     # placeholder_trace -> fallback_probe (the look-ahead's fallback and
     # value-reading ops) -> program_run (one run and its write-back) ->
     # compile_window -> bound_program -> backlog -> signature_cache ->
-    # dynamo_bridge; and the SymInt-safe kernels tracing needs
+    # graph_updates (which nodes update tensors in place) -> dynamo_bridge; and the SymInt-safe kernels tracing needs
     # (decompositions).
     ('bridge', {
         'counters', 'execution', 'donation', 'handover_sync', 'tracing',
         'placeholder_trace', 'fallback_probe', 'program_run', 'compile_window',
-        'bound_program', 'backlog', 'signature_cache', 'dynamo_bridge',
-        'decompositions'
+        'bound_program', 'backlog', 'signature_cache', 'graph_updates',
+        'dynamo_bridge', 'decompositions'
     }),
     # Users of the bridge, through its public methods.
     # The artifact: its key, file format and backend; aot_compile, save and

@@ -114,10 +114,8 @@ class BoundProgram:
         raise RefusedBeforeRun('the signature\'s entry was dropped from the '
                                'cache or traced again')
       if self._writes_nothing_back:
-        inputs = self._inputs.copy()
-        for slot, index in self._free_slots:
-          inputs[slot] = free_args[index]
-        results = execution.run_program(self.graph_hash, inputs)
+        results = execution.run_program(self.graph_hash,
+                                        self._inputs_of(free_args))
       else:
         results = run_entry(
             self._entry,

@@ -37,12 +37,14 @@ from torch_xla_patches.counters import (COUNTER_DONATION_FALLBACK,
                                         COUNTER_CPU_FALLBACK_PARTITION,
                                         COUNTER_EVICTED_RETRACE,
                                         increment_counter)
-from torch_xla_patches.donation import (count_epilogue_updates, donor_aliasing,
+from torch_xla_patches.donation import (apply_view_updates,
+                                        count_epilogue_updates, donor_aliasing,
                                         prepare_donating_run,
                                         sync_alone_noting_reads)
 from torch_xla_patches.handover_sync import (take_twins,
                                              twins_of_pending_arguments)
 from torch_xla_patches import execution
+from torch_xla_patches import graph_updates
 from torch_xla_patches.execution import (RefusedBeforeRun,
                                          refused_for_pending_ir)
 from torch_xla_patches.program_run import run_entry
@@ -337,7 +339,7 @@ class UnsupportedNodesCollector(torch.fx.Interpreter):
     return result
 
   def run_node(self, n: torch.fx.Node):
-    if _is_input_update(n):
+    if graph_updates.is_input_update(n):
       # See [Note: Input updates in a partitioned graph]: this run only
       # looks, and an update of a CPU input could not be undone.
       args, _ = self.fetch_args_kwargs_from_env(n)
@@ -380,7 +382,7 @@ class InputCollector(torch.fx.Interpreter):
     return super().call_module(target, args, kwargs)
 
   def run_node(self, n: torch.fx.Node):
-    if _is_input_update(n):
+    if graph_updates.is_input_update(n):
       # This run only records (see [Note: Input updates in a partitioned
       # graph]).
       return self.fetch_args_kwargs_from_env(n)[0][0]
@@ -430,7 +432,7 @@ def partition_fx_graph_for_cpu_fallback(
     print(f'Dynamo fallback ops are {unsupported_nodes}. Please open a GitHub '
           'issue with the above op lowering requests.')
   # See [Note: Input updates in a partitioned graph].
-  input_updates = _input_updates(xla_model.graph)
+  input_updates = graph_updates.input_updates(xla_model.graph)
   if input_updates:
     increment_counter(COUNTER_DONATION_FALLBACK, len(input_updates))
   unsupported = set(unsupported_nodes) | set(input_updates)
@@ -450,7 +452,8 @@ def partition_fx_graph_for_cpu_fallback(
   for partition in partitions:
     partition.nodes = topo_sort(partition.nodes)
   partitioned_graph = partitioner.fuse_partitions(partitions)
-  _run_last(partitioned_graph.graph, [node.name for node in input_updates])
+  graph_updates.run_last(partitioned_graph.graph,
+                         [node.name for node in input_updates])
   tensor_args = [a for a in xla_args if isinstance(a, torch.Tensor)]
   with pending_ir_restored(tensor_args + tracing.graph_constants(xla_model)):
     InputCollector(partitioned_graph).run(*xla_args)
@@ -472,76 +475,6 @@ def partition_fx_graph_for_cpu_fallback(
     # is not an XLA graph at all.
     increment_counter(COUNTER_CPU_FALLBACK_PARTITION, 1)
   return partitioned_graph
-
-
-def _input_updates(graph: torch.fx.Graph) -> List[torch.fx.Node]:
-  """The nodes of `graph` that write a graph input in place (`copy_`), in
-  order.
-
-  [Note: Input updates in a partitioned graph]
-  AOTAutograd, keeping an inference graph's updates of its inputs in the
-  graph (keep_inference_input_mutations), writes them with `copy_` at the
-  graph's end. The partitioner orders nodes by their data dependencies
-  alone, which do not say that an update must follow every read of the
-  input it writes, so a fused part could read an input another part has
-  already written. So in a graph partitioned around CPU fallback ops, the
-  updates are left out of the fused parts and run, in their order, after
-  everything else, as AOTAutograd's epilogue would run them: eagerly, with
-  no donation (counted as COUNTER_DONATION_FALLBACK). The runs that find
-  the unsupported nodes and record the parts' arguments only look: they
-  skip the updates, since one of a CPU input could not be undone.
-  """
-  return [node for node in graph.nodes if _is_input_update(node)]
-
-
-def _is_input_update(node: torch.fx.Node) -> bool:
-  return (node.op == 'call_function' and
-          node.target is torch.ops.aten.copy_.default and
-          isinstance(node.args[0], torch.fx.Node) and
-          node.args[0].op == 'placeholder')
-
-
-# Python's in-place operators, as dynamo records `x += y` and `x[i] = y`.
-_IN_PLACE_OPERATORS = frozenset({
-    operator.setitem, operator.iadd, operator.isub, operator.imul,
-    operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
-    operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.imatmul
-})
-
-
-def _updates_in_place(node: torch.fx.Node) -> bool:
-  """Whether `node` updates a tensor in place, other than the updates of
-  the graph's inputs at its end (see [Note: Graphs that cannot be split]):
-  a tensor method or torch function named with a trailing underscore
-  (`add_`, `index_copy_`), an aten op whose schema mutates, or an in-place
-  operator."""
-  if node.op not in ('call_method', 'call_function') or _is_input_update(node):
-    return False
-  target = node.target
-  if node.op == 'call_method':
-    return target.endswith('_') and not target.startswith('_')
-  if target in _IN_PLACE_OPERATORS:
-    return True
-  schema = getattr(target, '_schema', None)
-  if schema is not None:
-    return schema.is_mutable
-  name = getattr(target, '__name__', '')
-  return name.endswith('_') and not name.startswith('_')
-
-
-def _run_last(graph: torch.fx.Graph, names: Sequence[str]) -> None:
-  """Moves the nodes named `names` (fuse_partitions makes a new graph), in
-  order, then the output node, to the end of `graph`.
-  fuse_partitions orders the nodes topologically, and an output that
-  depends on nothing (a graph whose only effects are updates of its inputs:
-  an optimizer step) can come first, where no node after it would run."""
-  by_name = {node.name: node for node in graph.nodes}
-  output = next(node for node in graph.nodes if node.op == 'output')
-  for node in [by_name[name] for name in names] + [output]:
-    last = next(iter(reversed(graph.nodes)))
-    if last is not node:
-      last.append(node)
 
 
 def _look_ahead(xla_model: torch.fx.GraphModule,
@@ -671,7 +604,7 @@ def _look_ahead_on_placeholders(
 # could read a tensor after another part has updated it. A graph with nodes
 # XLA does not compile (CPU fallback ops, a CPU input moved to the device)
 # that updates a tensor in place before its end (an input its look-ahead
-# run updated, or a node that updates in place, `_updates_in_place`) is
+# run updated, or a node that updates in place, `graph_updates.updates_in_place`) is
 # therefore not split: it runs eagerly, node by node on lazy tensors, as
 # the model would without torch.compile (counted as
 # COUNTER_CPU_FALLBACK_EAGER; logged once per graph). Its answers are right;
@@ -723,7 +656,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule,
   # Sync functional wrappers so each argument's value reference is current.
   for arg in xla_args:
     if isinstance(arg, torch.Tensor) and torch._is_functional_tensor(arg):
-      torch._functionalize_sync(arg)
+      apply_view_updates(arg)
   _check_args(xla_args)
   # Materialize the arguments so their ids show up as graph inputs (only
   # them: see [Note: Threads] in execution.py).
@@ -739,7 +672,7 @@ def extract_compiled_graph_helper(xla_model: torch.fx.GraphModule,
   xla_args = look_ahead.arguments
   unsupported_nodes = look_ahead.get_unsupported_nodes()
   if unsupported_nodes and (look_ahead.updates_inputs_before_end or any(
-      _updates_in_place(node) for node in xla_model.graph.nodes)):
+      graph_updates.updates_in_place(node) for node in xla_model.graph.nodes)):
     # See [Note: Graphs that cannot be split].
     increment_counter(COUNTER_CPU_FALLBACK_EAGER, 1)
     logger.warning(
