@@ -1,13 +1,16 @@
 """The names of the bridge's counters, one place for all of them.
 
 Read them with torch_xla.debug.metrics.counter_value(name); the package bumps
-them with `increment_counter`, torch_xla's own counter call, and no other way
-(the bridge's `DynamoExtractCompiledGraph` line keeps upstream's spelling of
-it). In these names "CPU fallback" is an op XLA does not compile, run on the
+them with `increment_counter` and no other way (the bridge's
+`DynamoExtractCompiledGraph` line keeps upstream's spelling of it). In these names "CPU fallback" is an op XLA does not compile, run on the
 CPU; serve()'s counters of calls that took the full path are its own
 (fast_dispatch.py).
 """
+from typing import Callable
+
 import torch_xla
+
+from torch_xla_patches import native
 
 # Counters, readable with torch_xla.debug.metrics.counter_value(name), next to
 # DynamoExtractCompiledGraph (one per graph handed to the bridge),
@@ -61,4 +64,18 @@ COUNTER_SYNCED_INPUTS = 'DynamoSyncInputExecuteTime'
 # compile; see [Note: Programs of the engine] in generation.py).
 COUNTER_GENERATION_COMPILED_AFTER_READY = 'GenerationCompiledAfterReady'
 
-increment_counter = torch_xla._XLAC._xla_increment_counter
+
+def _counter_increment() -> Callable[[str, int], None]:
+  """The native module's increment_counter where it loads, else torch_xla's
+  `_xla_increment_counter`, which keeps 64 bytes of every bump for good
+  (see [Note: Counters made once] in csrc/fast_path.cpp): both grow the
+  counter torch_xla.debug.metrics reads."""
+  helpers = native.helpers()
+  if helpers is not None:
+    return helpers.increment_counter
+  return torch_xla._XLAC._xla_increment_counter
+
+
+# increment_counter(name, value): counter `name` grows by `value`. The bridge
+# bumps one on every call it serves.
+increment_counter = _counter_increment()

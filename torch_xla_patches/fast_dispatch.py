@@ -81,6 +81,7 @@ from torch_xla_patches import call_spec
 from torch_xla_patches import captured_results
 from torch_xla_patches import config
 from torch_xla_patches import execution
+from torch_xla_patches.counters import increment_counter
 from torch_xla_patches import native
 from torch_xla_patches import serialization
 from torch_xla_patches import torch_internals
@@ -102,8 +103,6 @@ COUNTER_RETRACE = 'ServeRetrace'
 COUNTER_CAPTURED_AGAIN = 'ServeCapturedAgain'
 # config.serve_verify: a fast call that dynamo's guards refused.
 COUNTER_VERIFY_MISMATCH = 'ServeVerifyMismatch'
-
-_increment_counter = torch_xla._XLAC._xla_increment_counter
 
 
 class ModuleWatch:
@@ -294,40 +293,40 @@ class ServedCalls:
     None (counted per reason)."""
     learned = self._learned
     if not learned.runs:
-      _increment_counter(COUNTER_FALLBACK_NO_PLAN, 1)
+      increment_counter(COUNTER_FALLBACK_NO_PLAN, 1)
       return None
     states = learned.global_states
     if not states[0].check():
       if not states[1].check():
-        _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
+        increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
         return None
       # The caller switched grad mode: check its mode first from now on.
       learned.global_states = (states[1], states[0])
     if (self._function_mode_depth() or self._global_hooks[0] or
         self._global_hooks[1]):
-      _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
+      increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
       return None
     if module_watch.generation != learned.generation:
-      _increment_counter(COUNTER_FALLBACK_MODULE, 1)
+      increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._forget(learned)
       return None
     if (learned.set_back and
         not self._set_back.unchanged_since(learned.set_back)):
-      _increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
+      increment_counter(COUNTER_FALLBACK_GLOBAL_STATE, 1)
       return None
     paths = learned.path_check
     if paths is not _NO_PATHS and not paths.unchanged():
-      _increment_counter(COUNTER_FALLBACK_MODULE, 1)
+      increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._forget(learned)
       return None
     if config.serve_check_bound_tensors and not learned.bound_check.matches():
-      _increment_counter(COUNTER_FALLBACK_MODULE, 1)
+      increment_counter(COUNTER_FALLBACK_MODULE, 1)
       self._changed_behind = learned.bound_check
       self._forget(learned)
       return None
     run = learned.runs.get(key)
     if run is None:
-      _increment_counter(COUNTER_FALLBACK_ARGUMENTS, 1)
+      increment_counter(COUNTER_FALLBACK_ARGUMENTS, 1)
       return None
     if config.serve_verify and not self._verified(args, kwargs):
       return None
@@ -336,7 +335,7 @@ class ServedCalls:
   def _verified(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
     if self.compiled.guard_check(*args, **kwargs):
       return True
-    _increment_counter(COUNTER_VERIFY_MISMATCH, 1)
+    increment_counter(COUNTER_VERIFY_MISMATCH, 1)
     if not self._warned_verify:
       self._warned_verify = True
       logger.warning(
@@ -401,7 +400,7 @@ class ServedCalls:
   def retrace(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
     """Serves a call the captured code does not apply to (another dtype, a
     changed module, ...) as torch.compile would: dynamo traces it again."""
-    _increment_counter(COUNTER_RETRACE, 1)
+    increment_counter(COUNTER_RETRACE, 1)
     with execution.execution_lock:
       if self._retraced is None:
         logger.info(
@@ -517,7 +516,7 @@ class ServedCalls:
       try:
         outputs = bound(leaves)
       except execution.RefusedBeforeRun:
-        _increment_counter(COUNTER_BRIDGE_RECOVERY, 1)
+        increment_counter(COUNTER_BRIDGE_RECOVERY, 1)
         self._forget_run(bound_run)
         return through_bridge(leaves)
       if output_index is not None:

@@ -1,8 +1,9 @@
 // The per-call work of a served call, done in C++: the call key, the check of
-// the tensors a program binds, and the donated buffers' bookkeeping around a
-// run. Each function has a Python twin that the package uses where this
-// module is not built (torch_xla_patches/native.py); both give the same
-// answers, and test_native.py holds them to it.
+// the tensors a program binds, the donated buffers' bookkeeping around a
+// run, and the bridge's counters. Each function has a Python twin that the
+// package uses where this module is not built (torch_xla_patches/native.py;
+// the counters' is torch_xla's own binding); both give the same answers, and
+// test_native.py holds them to it.
 //
 // [Note: The native fast path]
 // A served decode step does about 60 Python-level calls into torch and
@@ -27,9 +28,11 @@
 
 #include <ATen/FunctionalTensorWrapper.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/lazy/core/metrics.h>
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -697,6 +700,58 @@ PyObject* take_results(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   Py_RETURN_NONE;
 }
 
+// [Note: Counters made once]
+// torch_xla's `_xla_increment_counter` makes a torch::lazy::Counter for each
+// bump and never frees it (64 bytes a bump in 2.8 and 2.9), and a Counter
+// looks its name up in the metrics arena, under the arena's mutex, on its
+// first bump. The bridge bumps a counter on every call it serves. Here a
+// name gets one Counter for the process, found again by the name's str
+// object (held, so its address names it alone), or by its text past
+// kMaxNameObjects objects. Its bumps land in the arena's entry for the name,
+// the one torch_xla's bindings bump: torch_xla.debug.metrics reads one count,
+// and clear_counters() resets it. Called with the GIL held, which guards the
+// maps.
+constexpr size_t kMaxNameObjects = 1024;
+std::unordered_map<PyObject*, torch::lazy::Counter*> counter_of_name_object;
+std::unordered_map<std::string, torch::lazy::Counter*> counter_of_name;
+
+// increment_counter(name: str, value: int): torch_xla's counter `name` grows
+// by `value`, as `_xla_increment_counter(name, value)` would.
+PyObject* increment_counter(PyObject*, PyObject* const* argv,
+                            Py_ssize_t argc) {
+  if (argc != 2 || !PyUnicode_Check(argv[0])) {
+    PyErr_SetString(PyExc_TypeError, "increment_counter(name: str, value)");
+    return nullptr;
+  }
+  const long long value = PyLong_AsLongLong(argv[1]);
+  if (value == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  torch::lazy::Counter* counter = nullptr;
+  auto found = counter_of_name_object.find(argv[0]);
+  if (found != counter_of_name_object.end()) {
+    counter = found->second;
+  } else {
+    Py_ssize_t size = 0;
+    const char* text = PyUnicode_AsUTF8AndSize(argv[0], &size);
+    if (text == nullptr) {
+      return nullptr;
+    }
+    const std::string name(text, static_cast<size_t>(size));
+    torch::lazy::Counter*& made = counter_of_name[name];
+    if (made == nullptr) {
+      // Kept for the process, as the arena keeps its entry.
+      made = new torch::lazy::Counter(name);
+    }
+    counter = made;
+    if (counter_of_name_object.size() < kMaxNameObjects) {
+      counter_of_name_object.emplace(Py_NewRef(argv[0]), counter);
+    }
+  }
+  counter->AddValue(static_cast<int64_t>(value));
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"call_key", reinterpret_cast<PyCFunction>(call_key), METH_FASTCALL,
      "(key | None, leaves) of a call (call_spec.call_key)."},
@@ -710,6 +765,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "donation.read_donations' decision."},
     {"take_results", reinterpret_cast<PyCFunction>(take_results),
      METH_FASTCALL, "donation.take_result of each pair."},
+    {"increment_counter", reinterpret_cast<PyCFunction>(increment_counter),
+     METH_FASTCALL, "torch_xla's counter `name` grows by `value`."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_fast_path",
