@@ -24,11 +24,18 @@ its code and data still in the CPU caches. A real run evicts them, and the
 first split charges those misses to whichever stage touches the memory
 first (see docs/fast-path.md, "Where a torch.compile call's time goes").
 
+Host memory kept per call: after the timed rounds, each of upstream's
+torch.compile call, the patched one and serve()'s makes --memory-calls more
+calls alone, and the process's resident memory is read before and after
+(a call that keeps host memory for good, as torch_xla's counter binding
+does, grows it by that much per call; see docs/observability.md).
+
 The last line is the ratio to upstream, the number docs/benchmarks.md keeps
 per commit: (patched torch.compile call - floor) / (upstream's - floor),
 host CPU.
 
-  python tools/bench_dispatch.py [--calls 400] [--rounds 7] [--json out.json]
+  python tools/bench_dispatch.py [--calls 400] [--rounds 7]
+      [--memory-calls 30000] [--json out.json]
 """
 import argparse
 import dataclasses
@@ -252,6 +259,11 @@ def main(argv=None):
   parser.add_argument('--rounds', type=int, default=7)
   parser.add_argument('--width', type=int, default=16)
   parser.add_argument('--depth', type=int, default=64)
+  parser.add_argument('--memory-calls',
+                      type=int,
+                      default=30000,
+                      help='calls per variant for the host memory kept per '
+                      'call (0: not measured)')
   parser.add_argument('--json', default=None)
   args = parser.parse_args(argv)
   device = torch_xla.device()
@@ -322,6 +334,13 @@ def main(argv=None):
         time_calls(run_cached_graph, served_floor_sets[:1], args.calls))
 
   stubbed = stubbed_split(variants, served, served_inputs, args.rounds)
+  kept = {}
+  if args.memory_calls > 0:
+    for name, v in variants.items():
+      kept[f'{name} torch.compile call'] = kept_per_call(
+          v['compiled'], v['inputs'], args.memory_calls)
+    kept['serve() call'] = kept_per_call(served, served_inputs,
+                                         args.memory_calls)
   torch_xla_patches.revert()
 
   def median_of(key, field):
@@ -408,6 +427,14 @@ def main(argv=None):
       print(f'| {label} | ' +
             ' | '.join(f'{values[name]:.1f}' if name in values else '-'
                        for name in ('upstream', 'patched')) + ' |')
+  if kept:
+    print(f'\nHost memory kept per call: resident memory grown over '
+          f'{args.memory_calls} calls of each, after the timed rounds, in '
+          'bytes per call (a page is 4096 bytes):\n')
+    print('| call | bytes kept per call |')
+    print('|---|---:|')
+    for label, value in kept.items():
+      print(f'| {label} | {value:.1f} |')
   if stubbed:
     above = stubbed['above the run (whole call - stub)']
     print(f'\nRatio to upstream with the run stubbed: '
@@ -422,11 +449,27 @@ def main(argv=None):
               'wall_us': wall,
               'ratio_to_upstream': call_ratio[0],
               'stage_split_host_us': split,
-              'stubbed_split_host_us': stubbed
+              'stubbed_split_host_us': stubbed,
+              'bytes_kept_per_call': kept,
           },
           f,
           indent=2)
   return 0
+
+
+def resident_bytes() -> int:
+  with open('/proc/self/statm') as statm:
+    return int(statm.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
+def kept_per_call(fn, arg_sets, calls: int) -> float:
+  """Resident memory grown over `calls` calls of `fn`, per call."""
+  xm.wait_device_ops()
+  before = resident_bytes()
+  for i in range(calls):
+    fn(*arg_sets[i % len(arg_sets)])
+  xm.wait_device_ops()
+  return (resident_bytes() - before) / calls
 
 
 def stubbed_split(variants, served, served_inputs, rounds) -> dict:
