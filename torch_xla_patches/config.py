@@ -365,8 +365,9 @@ serve_check_bound_tensors = _flag('serve_check_bound_tensors',
 # where it cannot be built, the Python twins run: the same answers, with more
 # host time per served call (docs/fast-path.md, "The native fast path"), and
 # counters bumped through torch_xla's binding, which keeps 64 bytes of host
-# memory per bump (docs/observability.md). Read when the package is imported
-# for the counters, at apply() and serve() for the rest.
+# memory per bump (docs/observability.md). Read for the counters when
+# counters.py is first imported (by apply() or the bridge), at apply() and
+# serve() for the rest.
 native_fast_path = _flag('native_fast_path',
                          'XLA_PATCHES_NATIVE',
                          True,

@@ -2,9 +2,9 @@
 
 Read them with torch_xla.debug.metrics.counter_value(name); the package bumps
 them with `increment_counter` and no other way (the bridge's
-`DynamoExtractCompiledGraph` line keeps upstream's spelling of it). In these names "CPU fallback" is an op XLA does not compile, run on the
-CPU; serve()'s counters of calls that took the full path are its own
-(fast_dispatch.py).
+`DynamoExtractCompiledGraph` line keeps upstream's spelling of it). In these
+names "CPU fallback" is an op XLA does not compile, run on the CPU; serve()'s
+counters of calls that took the full path are its own (fast_dispatch.py).
 """
 from typing import Callable
 

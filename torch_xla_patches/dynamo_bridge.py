@@ -604,13 +604,13 @@ def _look_ahead_on_placeholders(
 # could read a tensor after another part has updated it. A graph with nodes
 # XLA does not compile (CPU fallback ops, a CPU input moved to the device)
 # that updates a tensor in place before its end (an input its look-ahead
-# run updated, or a node that updates in place, `graph_updates.updates_in_place`) is
-# therefore not split: it runs eagerly, node by node on lazy tensors, as
-# the model would without torch.compile (counted as
-# COUNTER_CPU_FALLBACK_EAGER; logged once per graph). Its answers are right;
-# it compiles one XLA program per call. A compile-only call (see [Note:
-# Compile-only calls] in execution.py) stops before running it: nothing of
-# it is compiled ahead.
+# run updated, or a node that updates in place,
+# `graph_updates.updates_in_place`) is therefore not split: it runs eagerly,
+# node by node on lazy tensors, as the model would without torch.compile
+# (counted as COUNTER_CPU_FALLBACK_EAGER; logged once per graph). Its
+# answers are right; it compiles one XLA program per call. A compile-only
+# call (see [Note: Compile-only calls] in execution.py) stops before running
+# it: nothing of it is compiled ahead.
 
 
 def _check_args(xla_args: Sequence[Any]) -> None:

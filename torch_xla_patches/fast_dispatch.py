@@ -81,10 +81,10 @@ from torch_xla_patches import call_spec
 from torch_xla_patches import captured_results
 from torch_xla_patches import config
 from torch_xla_patches import execution
-from torch_xla_patches.counters import increment_counter
 from torch_xla_patches import native
 from torch_xla_patches import serialization
 from torch_xla_patches import torch_internals
+from torch_xla_patches.counters import increment_counter
 
 logger = logging.getLogger('torch_xla_patches.serving')
 

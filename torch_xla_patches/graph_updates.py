@@ -48,9 +48,9 @@ IN_PLACE_OPERATORS = frozenset({
 def updates_in_place(node: torch.fx.Node) -> bool:
   """Whether `node` updates a tensor in place, other than the updates of
   the graph's inputs at its end (see [Note: Graphs that cannot be split]
-  in dynamo_bridge.py): a tensor method or torch function named with a trailing underscore
-  (`add_`, `index_copy_`), an aten op whose schema mutates, or an in-place
-  operator."""
+  in dynamo_bridge.py): a tensor method or torch function named with a
+  trailing underscore (`add_`, `index_copy_`), an aten op whose schema
+  mutates, or an in-place operator."""
   if node.op not in ('call_method', 'call_function') or is_input_update(node):
     return False
   target = node.target
